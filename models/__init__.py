@@ -1,0 +1,54 @@
+"""Reference ONNX models for oq's tests, demos and benchmarks.
+
+The models are small torch definitions (``models/zoo.py``) exported to ONNX on
+demand and cached on disk (never committed)::
+
+    from models import build, make_inputs, load_torch
+    path = build("resnet_mini")                 # .onnx path, exported if not cached
+    calib = make_inputs("resnet_mini", 64)      # {"input": float32 [64,3,32,32]}, seed 0
+    held_out = make_inputs("resnet_mini", 32, seed=1)
+    torch_model = load_torch("resnet_mini")     # same weights, eval mode
+
+Importing this package does not import torch; only exporting (``build`` on a
+cache miss) and ``load_torch`` need it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._export import CACHE_ENV, build, cache_key, cached_path, default_cache_dir
+from .data import make_inputs
+from .specs import OPSET, SPECS, ModelSpec, get_spec
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+REFERENCE_MODELS: tuple[str, ...] = ("resnet_mini", "mobilenet_mini", "decoder", "mlp", "transformer")
+CNN_MODELS: tuple[str, ...] = ("resnet_mini", "mobilenet_mini")
+
+assert set(REFERENCE_MODELS) == set(SPECS)
+
+
+def load_torch(name: str) -> "torch.nn.Module":
+    """The torch model behind reference model ``name``: deterministic weights, eval mode."""
+    from .zoo import load_torch as _load_torch
+
+    return _load_torch(name)
+
+
+__all__ = [
+    "CACHE_ENV",
+    "CNN_MODELS",
+    "OPSET",
+    "REFERENCE_MODELS",
+    "SPECS",
+    "ModelSpec",
+    "build",
+    "cache_key",
+    "cached_path",
+    "default_cache_dir",
+    "get_spec",
+    "load_torch",
+    "make_inputs",
+]

@@ -1,0 +1,166 @@
+"""torch -> ONNX export of the reference models, with an on-disk cache.
+
+Exporter choice (torch 2.13): the TorchScript exporter (``dynamo=False``) with
+``training=TrainingMode.PRESERVE`` on an eval-mode model.
+
+* The dynamo exporter (the default since torch 2.9) always runs its graph
+  optimizer, which folds BatchNormalization into the preceding Conv/Gemm --
+  but the quantizer's own BN-folding pass must be exercised, so BN has to stay.
+  It also only targets opset >= 18 and reaches 17 by version conversion.
+* The TorchScript exporter fuses Conv+BN only in its "eval peephole" pass,
+  which runs when constant folding is on *and* ``training`` is EVAL.  With
+  PRESERVE (model in eval mode) the peephole is skipped, BN is exported as a
+  plain inference BatchNormalization (one output, training_mode=0), and
+  constant folding still runs, so Linear weights on 3-D inputs are stored
+  pre-transposed for MatMul instead of behind a Transpose node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import tempfile
+import warnings
+from importlib import metadata
+from pathlib import Path
+
+from .specs import OPSET, get_spec
+
+_PKG_DIR = Path(__file__).resolve().parent
+REPO_ROOT = _PKG_DIR.parent
+# Every file whose content determines the exported model.
+_SOURCE_FILES = ("specs.py", "zoo.py", "data.py", "_export.py")
+CACHE_ENV = "OQ_MODEL_CACHE"
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else REPO_ROOT / ".cache" / "models"
+
+
+def _torch_version() -> str:
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:  # pragma: no cover - unusual installs
+        import torch
+
+        return torch.__version__
+
+
+def cache_key(name: str) -> str:
+    """Hash of the model name, its definition sources, torch version and opset."""
+    get_spec(name)
+    h = hashlib.sha256()
+    h.update(f"{name}\0torch={_torch_version()}\0opset={OPSET}\0".encode())
+    for fname in _SOURCE_FILES:
+        h.update(fname.encode() + b"\0")
+        h.update((_PKG_DIR / fname).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_path(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    d = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return d / f"{name}-{cache_key(name)}.onnx"
+
+
+def _dynamic_axes(spec) -> dict[str, dict[int, str]]:
+    axes = {}
+    for tname, shape in {**spec.inputs, **spec.outputs}.items():
+        axes[tname] = {i: d for i, d in enumerate(shape) if isinstance(d, str)}
+    return axes
+
+
+def _rename_anonymous_initializers(model) -> None:
+    """Give folded initializers (``onnx::MatMul_64``) readable names (``attn.q.MatMul.B``)."""
+    graph = model.graph
+    consumers: dict[str, list[tuple[object, int]]] = {}
+    for node in graph.node:
+        for idx, inp in enumerate(node.input):
+            consumers.setdefault(inp, []).append((node, idx))
+    taken = {i.name for i in graph.initializer} | {n for node in graph.node for n in node.output}
+    for init in graph.initializer:
+        uses = consumers.get(init.name, [])
+        if not init.name.startswith("onnx::") or len(uses) != 1:
+            continue
+        node, idx = uses[0]
+        base = node.name.strip("/").replace("/", ".") or node.op_type
+        new = f"{base}.{'ABCDEFGH'[idx] if idx < 8 else idx}"
+        if new in taken:
+            continue
+        taken.add(new)
+        node.input[idx] = new
+        init.name = new
+
+
+def export_model(name: str):
+    """Export reference model ``name`` and return the checked ``onnx.ModelProto``."""
+    import onnx
+    import torch
+
+    from .data import make_inputs
+    from .zoo import load_torch
+
+    spec = get_spec(name)
+    model = load_torch(name)
+    example = torch.from_numpy(make_inputs(name, 2, seed=0)[spec.input_name])
+    buf = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():
+        # legacy-exporter deprecation notice and the "constant folding with
+        # PRESERVE" advice (harmless here: the model is in eval mode).
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model,
+            (example,),
+            buf,
+            dynamo=False,
+            input_names=[spec.input_name],
+            output_names=[spec.output_name],
+            dynamic_axes=_dynamic_axes(spec),
+            opset_version=OPSET,
+            training=torch.onnx.TrainingMode.PRESERVE,
+            do_constant_folding=True,
+        )
+    proto = onnx.load_from_string(buf.getvalue())
+    _rename_anonymous_initializers(proto)
+    proto.graph.name = name
+    proto.doc_string = f"oq reference model {name!r}: {spec.description}"
+    for key, value in (("oq.model", name), ("oq.cache_key", cache_key(name)), ("torch", _torch_version())):
+        prop = proto.metadata_props.add()
+        prop.key, prop.value = key, value
+    onnx.checker.check_model(proto, full_check=True)
+    bad = {n.op_type for n in proto.graph.node if n.domain not in ("", "ai.onnx")}
+    assert not bad, f"non-standard ops in {name}: {bad}"
+    if spec.has_batchnorm:
+        assert any(n.op_type == "BatchNormalization" for n in proto.graph.node), "BN was folded away"
+    return proto
+
+
+def build(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Return the path of the ONNX file for ``name``, exporting it on a cache miss.
+
+    The file name carries :func:`cache_key`, so any change to the model sources
+    or the torch version produces a new file.  Writes go to a temp file in the
+    same directory followed by ``os.replace``, so concurrent builders never
+    expose a partial file (the last writer wins with identical content).
+    """
+    path = cached_path(name, cache_dir)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = export_model(name).SerializeToString()
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".onnx.tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path

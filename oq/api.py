@@ -1,0 +1,107 @@
+"""The Python entry point: oq.quantize()."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+
+from . import ir
+from .data import CalibrationData, model_inputs, open_calibration
+from .errors import OqError
+from .passmanager import Context, FixedPoint, PassManager
+from .report import NodeRecord, Report
+from .target import Target, load_target
+
+
+@dataclass
+class Options:
+    batch_size: int = 16
+    calib_size: int | None = None
+    calib_method: str | None = None
+    exclude: list[str] = field(default_factory=list)
+    progress: bool = True
+
+
+@dataclass
+class QuantResult:
+    model: onnx.ModelProto
+    report: Report
+    target: Target
+
+    def save(self, path: "str | os.PathLike") -> Path:
+        return ir.save_model(self.model, path)
+
+
+def prepare_passes():
+    """Graph clean-up every run starts with; independent of the target."""
+    from .passes.canonicalize import Canonicalize
+    from .passes.dead_code import RemoveDeadNodes
+    from .passes.fold_bn import FoldBatchNorm
+    from .passes.fold_constants import FoldConstants
+    from .passes.shape_inference import InferShapes
+
+    return [Canonicalize(), InferShapes(),
+            FixedPoint("fold", [FoldConstants(), FoldBatchNorm(), RemoveDeadNodes()]),
+            InferShapes()]
+
+
+def quantize_passes(data: CalibrationData, options: Options):
+    from .passes.annotate import Annotate
+    from .passes.calibrate import Calibrate
+    from .passes.finalize import Finalize
+    from .passes.fuse_patterns import FusePatterns
+    from .passes.insert_qdq import InsertQDQ
+
+    return [FusePatterns(), Annotate(),
+            Calibrate(data, options.batch_size, options.calib_method, options.progress),
+            InsertQDQ(), Finalize()]
+
+
+def _load(model) -> tuple[onnx.ModelProto, str]:
+    if isinstance(model, onnx.ModelProto):
+        return model, model.graph.name or "<model>"
+    return ir.load_model(model), str(model)
+
+
+def prepare(model) -> Context:
+    """Load and run the preparation passes (canonicalize, shapes, folding) without quantizing."""
+    proto, name = _load(model)
+    ctx = Context(graph=ir.to_graph(proto), report=Report(model=name))
+    PassManager(prepare_passes()).run(ctx)
+    return ctx
+
+
+def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_size: int = 16,
+             calib_size: int | None = None, calib_method: str | None = None, exclude=(), progress: bool = True,
+             output: "str | os.PathLike | None" = None) -> QuantResult:
+    """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
+
+    calib: an .npz of stacked samples keyed by input name, a folder of .npz feeds, or a CalibrationData.
+    Returns QuantResult(model, report, target); with `output`, the model is also written there atomically.
+    """
+    options = Options(batch_size, calib_size, calib_method, list(exclude), progress)
+    if batch_size < 1:
+        raise OqError(f"batch size must be >= 1, got {batch_size}")
+    tgt = load_target(target)
+    proto, name = _load(model)
+    if calib is None:
+        raise OqError("no calibration data given (pass an .npz file or a folder of .npz feeds)")
+    data = open_calibration(calib, model_inputs(proto), calib_size)
+    ctx = Context(graph=ir.to_graph(proto), target=tgt, options=options, report=Report(model=name, target=tgt.name))
+    del proto
+    PassManager(prepare_passes() + quantize_passes(data, options)).run(ctx)
+    for node_name, (quantized, reason) in ctx.plan.status.items():
+        op = next((n.op for n in ctx.graph.nodes if n.name == node_name), "?")
+        ctx.report.nodes.append(NodeRecord(node_name, op, quantized, reason))
+    result_model = ir.to_model(ctx.graph, template=None)
+    if ir.model_size(result_model) < ir.EXTERNAL_DATA_THRESHOLD:
+        try:
+            onnx.checker.check_model(result_model, full_check=True)
+        except Exception as exc:
+            raise OqError(f"internal error: the quantized model fails onnx.checker: {str(exc).splitlines()[0]}") from None
+    result = QuantResult(result_model, ctx.report, tgt)
+    if output is not None:
+        result.save(output)
+    return result

@@ -1,0 +1,90 @@
+"""The `oq` command line. User-fixable problems print one `oq: error: ...` line and exit with code 2."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import OqError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="oq", description="ONNX-graph-first post-training quantizer")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="quantize a model for a target")
+    run.add_argument("model", help="input .onnx model (never modified)")
+    run.add_argument("--target", "-t", default="tensorrt", help="built-in target name or a target .toml file")
+    run.add_argument("--calib", "-c", required=True, help=".npz of stacked samples or a folder of .npz feeds")
+    run.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
+    run.add_argument("--report", help="also write the run report as JSON here")
+    run.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
+    run.add_argument("--calib-size", type=int, help="use at most this many calibration samples")
+    run.add_argument("--calib-method", help="observer for activations (default: the target's)")
+    run.add_argument("--exclude", action="append", default=[],
+                     help="keep nodes in float: node name, op type or regex over node names (repeatable)")
+    run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
+
+    tg = sub.add_parser("targets", help="list built-in targets, or show one")
+    tg.add_argument("action", nargs="?", choices=["show"])
+    tg.add_argument("name", nargs="?")
+
+    ins = sub.add_parser("inspect", help="summarise a model: ops, inputs/outputs, opset, quantized nodes")
+    ins.add_argument("model")
+    return p
+
+
+def _run(args) -> int:
+    from .api import quantize
+
+    if Path(args.output).resolve() == Path(args.model).resolve():
+        raise OqError("output path is the input model; oq never overwrites its input")
+    result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
+                      calib_method=args.calib_method, exclude=args.exclude, progress=not args.quiet)
+    result.save(args.output)
+    if args.report:
+        tmp = Path(args.report).with_suffix(".tmp")
+        tmp.write_text(result.report.to_json())
+        tmp.replace(args.report)
+    if not args.quiet:
+        print(result.report.format_table())
+        print(f"\nwrote {args.output}")
+    return 0
+
+
+def _targets(args) -> int:
+    from .target import builtin_names, load_target
+
+    if args.action == "show":
+        if not args.name:
+            raise OqError("usage: oq targets show NAME")
+        print(load_target(args.name).describe())
+        return 0
+    for name in builtin_names():
+        print(f"{name:<14} {load_target(name).summary()}")
+    return 0
+
+
+def _inspect(args) -> int:
+    from .inspect import describe
+    from .ir import load_model
+
+    print(describe(load_model(args.model), args.model))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"run": _run, "targets": _targets, "inspect": _inspect}[args.command](args)
+    except OqError as exc:
+        print(f"oq: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("oq: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

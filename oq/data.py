@@ -1,0 +1,177 @@
+"""Calibration data sources, validated against the model's inputs before any run."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from .errors import OqError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: np.dtype
+    shape: tuple  # ints for fixed dims, str/None for dynamic
+
+    @property
+    def dynamic_batch(self) -> bool:
+        return bool(self.shape) and not isinstance(self.shape[0], int)
+
+
+def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
+    inits = {i.name for i in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        specs.append(InputSpec(vi.name, np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims))
+    return specs
+
+
+def _check_array(where: str, spec: InputSpec, arr: np.ndarray) -> None:
+    if arr.dtype != spec.dtype:
+        raise OqError(f"{where}: array for input '{spec.name}' has dtype {arr.dtype}, the model expects {spec.dtype}")
+    if arr.ndim != len(spec.shape):
+        raise OqError(f"{where}: array for input '{spec.name}' has rank {arr.ndim} (shape {list(arr.shape)}), "
+                      f"the model expects rank {len(spec.shape)} ({_fmt_shape(spec.shape)})")
+    for axis, (want, got) in enumerate(zip(spec.shape, arr.shape)):
+        if axis > 0 and isinstance(want, int) and want != got:
+            raise OqError(f"{where}: array for input '{spec.name}' has shape {list(arr.shape)}, the model expects "
+                          f"{_fmt_shape(spec.shape)} (axis {axis} differs)")
+
+
+def _fmt_shape(shape) -> str:
+    return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
+
+
+def _check_names(where: str, specs: list[InputSpec], keys) -> None:
+    keys = list(keys)
+    for spec in specs:
+        if spec.name not in keys:
+            have = ", ".join(f"'{k}'" for k in keys) or "nothing"
+            raise OqError(f"{where} has no array for input '{spec.name}'; it has: {have}")
+    extra = [k for k in keys if k not in {s.name for s in specs}]
+    if extra:
+        raise OqError(f"{where} has arrays that are not model inputs: {', '.join(repr(k) for k in extra)}; "
+                      f"model inputs: {', '.join(repr(s.name) for s in specs)}")
+
+
+def _check_finite(where: str, feed: dict[str, np.ndarray], first_index: int) -> None:
+    for name, arr in feed.items():
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            bad = np.nonzero(~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1))[0][0] if arr.ndim else 0
+            raise OqError(f"{where}: input '{name}' has NaN or inf in sample {first_index + int(bad)}")
+
+
+class CalibrationData:
+    """An iterable of feeds; `batches(n)` groups consecutive samples when the model's batch axis allows it."""
+
+    def __init__(self, where: str, specs: list[InputSpec], limit: int | None = None):
+        self.where, self.specs, self.limit = where, specs, limit
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def samples(self) -> Iterator[dict[str, np.ndarray]]:
+        raise NotImplementedError
+
+    def batches(self, batch_size: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        """(number of samples, feed) pairs. Samples are only concatenated when every input has a dynamic batch axis
+        and equal shapes otherwise."""
+        can_batch = batch_size > 1 and all(s.dynamic_batch for s in self.specs)
+        pending: list[dict[str, np.ndarray]] = []
+        index = 0
+
+        def flush():
+            feed = {k: np.concatenate([p[k] for p in pending]) if len(pending) > 1 else pending[0][k]
+                    for k in pending[0]}
+            _check_finite(self.where, feed, index - len(pending))
+            return len(pending), feed
+
+        for sample in self.samples():
+            if pending and (not can_batch or len(pending) >= batch_size or
+                            any(pending[0][k].shape[1:] != v.shape[1:] for k, v in sample.items())):
+                yield flush()
+                pending = []
+            pending.append(sample)
+            index += 1
+        if pending:
+            yield flush()
+
+
+class NpzStack(CalibrationData):
+    """One .npz whose arrays hold the samples stacked along axis 0 (the batch axis)."""
+
+    def __init__(self, path: Path, specs: list[InputSpec], limit: int | None = None):
+        super().__init__(str(path), specs, limit)
+        try:
+            self.npz = np.load(path, allow_pickle=False)
+            keys = list(self.npz.files)
+        except Exception as exc:
+            raise OqError(f"{path}: not a readable .npz file ({type(exc).__name__})") from None
+        _check_names(str(path), specs, keys)
+        counts = set()
+        for spec in specs:
+            arr = self.npz[spec.name]
+            _check_array(str(path), spec, arr)
+            counts.add(arr.shape[0] if arr.ndim else 1)
+        if len(counts) != 1:
+            raise OqError(f"{path}: arrays hold different numbers of samples ({sorted(counts)})")
+        self.count = counts.pop()
+        if self.count == 0:
+            raise OqError(f"{path}: holds no samples")
+
+    def __len__(self) -> int:
+        return min(self.count, self.limit) if self.limit else self.count
+
+    def samples(self):
+        arrays = {s.name: self.npz[s.name] for s in self.specs}
+        for i in range(len(self)):
+            yield {k: v[i:i + 1] for k, v in arrays.items()}
+
+
+class NpzFolder(CalibrationData):
+    """A folder of .npz files, each one complete feed (inputs may change shape from file to file)."""
+
+    def __init__(self, path: Path, specs: list[InputSpec], limit: int | None = None):
+        super().__init__(str(path), specs, limit)
+        self.files = sorted(p for p in path.iterdir() if p.suffix == ".npz")
+        if not self.files:
+            raise OqError(f"{path}: folder holds no .npz files")
+
+    def __len__(self) -> int:
+        return min(len(self.files), self.limit) if self.limit else len(self.files)
+
+    def samples(self):
+        for f in self.files[:len(self)]:
+            try:
+                with np.load(f, allow_pickle=False) as npz:
+                    feed = {k: npz[k] for k in npz.files}
+            except Exception as exc:
+                raise OqError(f"{f}: not a readable .npz file ({type(exc).__name__})") from None
+            _check_names(str(f), self.specs, feed)
+            for spec in self.specs:
+                _check_array(str(f), spec, feed[spec.name])
+            yield feed
+
+
+def open_calibration(calib: "str | os.PathLike | CalibrationData", specs: list[InputSpec],
+                     limit: int | None = None) -> CalibrationData:
+    if isinstance(calib, CalibrationData):
+        return calib
+    path = Path(calib)
+    if not path.exists():
+        raise OqError(f"{path}: calibration data not found")
+    if path.is_dir():
+        return NpzFolder(path, specs, limit)
+    if path.suffix != ".npz":
+        raise OqError(f"{path}: calibration data must be an .npz file or a folder of .npz files")
+    return NpzStack(path, specs, limit)

@@ -1,0 +1,50 @@
+"""`oq inspect`: what a model holds, and which of its nodes already run on quantized data."""
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+
+from .data import model_inputs
+
+QDQ = ("QuantizeLinear", "DequantizeLinear")
+
+
+def _shape(vi: onnx.ValueInfoProto) -> str:
+    tt = vi.type.tensor_type
+    dims = [str(d.dim_value) if d.HasField("dim_value") else (d.dim_param or "?") for d in tt.shape.dim]
+    return f"{onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else '?'}[{', '.join(dims)}]"
+
+
+def quantized_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Nodes (other than Q/DQ) that read at least one DequantizeLinear output, or integer-kernel ops."""
+    dq_outputs = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return [n for n in model.graph.node if n.op_type not in QDQ and
+            (any(i in dq_outputs for i in n.input) or n.op_type.startswith("QLinear"))]
+
+
+def describe(model: onnx.ModelProto, path: str = "") -> str:
+    g = model.graph
+    opsets = ", ".join(f"{i.domain or 'ai.onnx'} {i.version}" for i in model.opset_import)
+    lines = [f"model {path}", f"  ir_version {model.ir_version}; opsets: {opsets}; producer: "
+             f"{model.producer_name or '?'} {model.producer_version}",
+             f"  {len(g.node)} nodes, {len(g.initializer)} initializers "
+             f"({sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * max(1, int(__import__('numpy').prod(t.dims))) for t in g.initializer) / 1e6:.2f} MB)",
+             "", "inputs:"]
+    inits = {i.name for i in g.initializer}
+    for vi in g.input:
+        if vi.name not in inits:
+            lines.append(f"  {vi.name:<30} {_shape(vi)}")
+    lines.append("outputs:")
+    for vi in g.output:
+        lines.append(f"  {vi.name:<30} {_shape(vi)}")
+    lines += ["", "ops:"]
+    for op, k in Counter(n.op_type for n in g.node).most_common():
+        lines.append(f"  {op:<28} {k}")
+    q = quantized_nodes(model)
+    n_qdq = sum(1 for n in g.node if n.op_type in QDQ)
+    lines += ["", f"quantized: {len(q)} nodes run on quantized inputs ({n_qdq} Q/DQ nodes)"]
+    if q:
+        for op, k in Counter(n.op_type for n in q).most_common():
+            lines.append(f"  {op:<28} {k}")
+    return "\n".join(lines)

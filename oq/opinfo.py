@@ -1,0 +1,31 @@
+"""What oq knows about ONNX ops regardless of target: where weights and biases sit, and their channel axes."""
+from __future__ import annotations
+
+import onnx_graphsurgeon as gs
+
+# op -> input index of the weight whose output channels get per-channel scales
+WEIGHT_INPUT = {"Conv": 1, "ConvTranspose": 1, "Gemm": 1, "MatMul": 1}
+# op -> input index of the bias, whose quantization derives from input and weight scales
+BIAS_INPUT = {"Conv": 2, "ConvTranspose": 2, "Gemm": 2}
+
+
+def weight_channel_axis(node: gs.Node, rank: int) -> int:
+    """Axis of a weight tensor that indexes the op's output channels."""
+    op = node.op
+    if op == "Conv":
+        return 0
+    if op == "ConvTranspose":
+        return 1  # weight is [C_in, C_out/group, k...]
+    if op == "Gemm":
+        return 0 if node.attrs.get("transB", 0) else 1
+    if op == "MatMul":
+        return rank - 1  # B is [..., K, N]
+    raise KeyError(op)
+
+
+def is_weight_input(node: gs.Node, index: int) -> bool:
+    return WEIGHT_INPUT.get(node.op) == index
+
+
+def is_bias_input(node: gs.Node, index: int) -> bool:
+    return BIAS_INPUT.get(node.op) == index

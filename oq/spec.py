@@ -1,0 +1,129 @@
+"""Quantization specs (what a target asks for) and the qparams computed from observed ranges."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import onnx
+
+from .errors import OqError
+
+# dtype name -> (qmin, qmax, numpy dtype, onnx elem type)
+DTYPES = {
+    "int8": (-128, 127, np.int8, onnx.TensorProto.INT8),
+    "uint8": (0, 255, np.uint8, onnx.TensorProto.UINT8),
+    "int16": (-32768, 32767, np.int16, onnx.TensorProto.INT16),
+    "uint16": (0, 65535, np.uint16, onnx.TensorProto.UINT16),
+    "int32": (-(2**31), 2**31 - 1, np.int32, onnx.TensorProto.INT32),
+}
+GRANULARITIES = ("per_tensor", "per_channel")
+# Below this a scale underflows float32 arithmetic in the runtimes; zero-range tensors get scale 1.
+MIN_SCALE = 1e-12
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    dtype: str = "int8"
+    symmetric: bool = True
+    narrow_range: bool = False
+    granularity: str = "per_tensor"
+    observer: str = "minmax"
+    power_of_two: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES or self.dtype == "int32":
+            raise OqError(f"unsupported quantization dtype {self.dtype!r}; choose from "
+                          f"{', '.join(d for d in DTYPES if d != 'int32')}")
+        if self.granularity not in GRANULARITIES:
+            raise OqError(f"unknown granularity {self.granularity!r}; choose from {', '.join(GRANULARITIES)}")
+
+    @property
+    def signed(self) -> bool:
+        return DTYPES[self.dtype][0] < 0
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        qmin, qmax = DTYPES[self.dtype][:2]
+        if self.narrow_range and self.signed:
+            qmin += 1
+        return qmin, qmax
+
+    @property
+    def np_dtype(self):
+        return DTYPES[self.dtype][2]
+
+    def with_(self, **changes) -> "QuantSpec":
+        return replace(self, **changes)
+
+
+@dataclass
+class QParams:
+    scale: np.ndarray  # float32, scalar or 1-D (per channel)
+    zero_point: np.ndarray  # spec dtype, same shape as scale
+    axis: int | None = None
+    spec: QuantSpec = field(default_factory=QuantSpec)
+
+    @property
+    def per_channel(self) -> bool:
+        return self.axis is not None
+
+
+def qparams_from_range(lo, hi, spec: QuantSpec, axis: int | None = None) -> QParams:
+    """Scale and zero-point covering [lo, hi] (widened to include 0), vectorised over channels."""
+    lo = np.minimum(np.asarray(lo, dtype=np.float64), 0.0)
+    hi = np.maximum(np.asarray(hi, dtype=np.float64), 0.0)
+    if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+        raise OqError("observed range is not finite (NaN or inf in the data)")
+    qmin, qmax = spec.qrange
+    if spec.symmetric:
+        amax = np.maximum(-lo, hi)
+        if spec.signed:
+            scale = amax / qmax
+            zp = np.zeros_like(scale)
+        else:
+            zp = np.full_like(amax, (qmin + qmax + 1) // 2)
+            scale = amax / (qmax - zp)
+    else:
+        scale = (hi - lo) / (qmax - qmin)
+    degenerate = ~(scale > MIN_SCALE)
+    scale = np.where(degenerate, 1.0, scale)
+    if spec.power_of_two:
+        scale = np.exp2(np.ceil(np.log2(scale)))
+    if not spec.symmetric:
+        zp = np.clip(np.round(qmin - lo / scale), qmin, qmax)
+        zp = np.where(degenerate, np.clip(0, qmin, qmax), zp)
+    return QParams(scale.astype(np.float32), zp.astype(spec.np_dtype), axis, spec)
+
+
+def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
+    """Round-half-to-even and saturate, as ONNX QuantizeLinear does."""
+    scale, zp = qp.scale, qp.zero_point.astype(np.float64)
+    if qp.axis is not None and scale.ndim == 1:
+        shape = [1] * x.ndim
+        shape[qp.axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    qmin, qmax = qp.spec.qrange
+    q = np.rint(x.astype(np.float64) / scale.astype(np.float64)) + zp
+    return np.asarray(np.clip(q, qmin, qmax).astype(qp.spec.np_dtype))
+
+
+def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
+    scale, zp = qp.scale, qp.zero_point
+    if qp.axis is not None and scale.ndim == 1:
+        shape = [1] * q.ndim
+        shape[qp.axis] = -1
+        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    return ((q.astype(np.float32) - zp.astype(np.float32)) * scale).astype(np.float32)
+
+
+def weight_qparams(w: np.ndarray, spec: QuantSpec, axis: int | None) -> QParams:
+    """Min/max qparams of a constant, per channel along `axis` when the spec asks for it."""
+    w = np.asarray(w, dtype=np.float32)
+    if spec.granularity == "per_channel" and axis is not None and w.ndim > 0:
+        axis = axis % w.ndim
+        reduce = tuple(i for i in range(w.ndim) if i != axis)
+        lo, hi = (w.min(axis=reduce), w.max(axis=reduce)) if w.size else (np.zeros(w.shape[axis]),) * 2
+        return qparams_from_range(lo, hi, spec, axis)
+    if w.size == 0:
+        return qparams_from_range(0.0, 0.0, spec)
+    return qparams_from_range(w.min(), w.max(), spec)

@@ -1,0 +1,184 @@
+"""Targets as data: a validated schema loaded from TOML, built in (backends/) or from a user's file."""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from .errors import OqError
+from .opinfo import WEIGHT_INPUT
+from .spec import QuantSpec
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+OUTPUT_MODES = ("float", "quantized", "shared")
+BIAS_MODES = ("float", "int32")
+TOP_KEYS = {"name", "description", "extends", "fusions", "quantize_fusion_side_inputs", "quantize_graph_outputs",
+            "bias", "opset_min", "specs", "ops", "activation_spec"}
+SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two"}
+OP_KEYS = {"inputs", "output", "bias"}
+
+
+@dataclass(frozen=True)
+class OpRule:
+    inputs: dict[int | str, str]  # input index (or "*" for all) -> spec name
+    output: str = "float"
+    bias: str | None = None
+
+    def spec_name_for(self, index: int) -> str | None:
+        return self.inputs.get(index, self.inputs.get("*"))
+
+
+@dataclass
+class Target:
+    name: str
+    description: str
+    specs: dict[str, QuantSpec]
+    ops: dict[str, OpRule]
+    fusions: list[str] = field(default_factory=list)
+    quantize_fusion_side_inputs: bool = False
+    quantize_graph_outputs: bool = False
+    bias: str = "float"
+    opset_min: int = 13
+    activation_spec: str = "activation"
+    source: str = "built-in"
+
+    def spec(self, name: str) -> QuantSpec:
+        return self.specs[name]
+
+    @property
+    def activation(self) -> QuantSpec:
+        return self.specs[self.activation_spec]
+
+    def summary(self) -> str:
+        return self.description.splitlines()[0] if self.description else ""
+
+    def describe(self) -> str:
+        lines = [f"target {self.name} ({self.source})", f"  {self.description}", "",
+                 f"  bias: {self.bias}; opset >= {self.opset_min}; fusions: {', '.join(self.fusions) or 'none'}",
+                 f"  fusion side inputs quantized: {self.quantize_fusion_side_inputs}; "
+                 f"graph outputs quantized: {self.quantize_graph_outputs}", "", "  specs:"]
+        for name, s in self.specs.items():
+            lines.append(f"    {name:<12} {s.dtype:<6} {'symmetric' if s.symmetric else 'asymmetric':<10} "
+                         f"{s.granularity:<11} narrow={s.narrow_range} pow2={s.power_of_two} observer={s.observer}")
+        lines += ["", "  ops:"]
+        for op, r in self.ops.items():
+            ins = ", ".join(f"{k}:{v}" for k, v in r.inputs.items())
+            lines.append(f"    {op:<22} inputs[{ins}] output={r.output}" + (f" bias={r.bias}" if r.bias else ""))
+        return "\n".join(lines)
+
+
+def builtin_names() -> list[str]:
+    root = resources.files("oq.backends")
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_builtin(name: str) -> dict:
+    path = resources.files("oq.backends") / f"{name}.toml"
+    if not path.is_file():
+        raise OqError(f"unknown target {name!r}; built-in targets: {', '.join(builtin_names())}")
+    return tomllib.loads(path.read_text())
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "inputs":
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load_target(ref: "str | os.PathLike | Target") -> Target:
+    """A built-in target by name, or a TOML file that may `extends` a built-in one."""
+    if isinstance(ref, Target):
+        return ref
+    ref_str = str(ref)
+    if ref_str.endswith(".toml") or os.sep in ref_str:
+        path = Path(ref_str)
+        if not path.is_file():
+            raise OqError(f"{path}: target file not found")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise OqError(f"{path}: not valid TOML ({exc})") from None
+        where = str(path)
+        if "extends" in raw:
+            base = raw["extends"]
+            if not isinstance(base, str):
+                raise OqError(f"{where}: key 'extends': must be the name of a built-in target")
+            raw = _merge(_read_builtin(base), {k: v for k, v in raw.items() if k != "extends"})
+        return parse_target(raw, where)
+    return parse_target(_read_builtin(ref_str), f"built-in target {ref_str!r}")
+
+
+def parse_target(raw: dict, where: str) -> Target:
+    def fail(key: str, why: str):
+        raise OqError(f"{where}: key '{key}': {why}")
+
+    for k in raw:
+        if k not in TOP_KEYS:
+            fail(k, f"unknown key (known: {', '.join(sorted(TOP_KEYS))})")
+    if not isinstance(raw.get("name"), str) or not raw["name"]:
+        fail("name", "a target needs a non-empty string name")
+    specs: dict[str, QuantSpec] = {}
+    for sname, sraw in raw.get("specs", {}).items():
+        if not isinstance(sraw, dict):
+            fail(f"specs.{sname}", "must be a table")
+        for k in sraw:
+            if k not in SPEC_KEYS:
+                fail(f"specs.{sname}.{k}", f"unknown key (known: {', '.join(sorted(SPEC_KEYS))})")
+        try:
+            specs[sname] = QuantSpec(**sraw)
+        except OqError as exc:
+            fail(f"specs.{sname}", str(exc))
+        except TypeError as exc:
+            fail(f"specs.{sname}", str(exc))
+    act = raw.get("activation_spec", "activation")
+    if act not in specs:
+        fail("activation_spec", f"spec {act!r} is not defined under [specs]")
+    if specs[act].granularity != "per_tensor":
+        fail(f"specs.{act}.granularity", "activations are quantized per tensor")
+    ops: dict[str, OpRule] = {}
+    for op, oraw in raw.get("ops", {}).items():
+        key = f"ops.{op}"
+        if not isinstance(oraw, dict):
+            fail(key, "must be a table")
+        for k in oraw:
+            if k not in OP_KEYS:
+                fail(f"{key}.{k}", f"unknown key (known: {', '.join(sorted(OP_KEYS))})")
+        inputs: dict[int | str, str] = {}
+        for idx, sname in oraw.get("inputs", {}).items():
+            if idx != "*" and not str(idx).isdigit():
+                fail(f"{key}.inputs.{idx}", "input keys are input indices (\"0\", \"1\", ...) or \"*\"")
+            if sname not in specs:
+                fail(f"{key}.inputs.{idx}", f"spec {sname!r} is not defined under [specs]")
+            index = idx if idx == "*" else int(idx)
+            if specs[sname].granularity == "per_channel" and WEIGHT_INPUT.get(op) != index:
+                fail(f"{key}.inputs.{idx}", f"per-channel spec {sname!r} on an input that is not a weight of {op}")
+            inputs[index] = sname
+        output = oraw.get("output", "float")
+        if output not in OUTPUT_MODES:
+            fail(f"{key}.output", f"must be one of {', '.join(OUTPUT_MODES)}")
+        bias = oraw.get("bias")
+        if bias is not None and bias not in BIAS_MODES:
+            fail(f"{key}.bias", f"must be one of {', '.join(BIAS_MODES)}")
+        ops[op] = OpRule(inputs, output, bias)
+    bias = raw.get("bias", "float")
+    if bias not in BIAS_MODES:
+        fail("bias", f"must be one of {', '.join(BIAS_MODES)}")
+    from oq.passes.fuse_patterns import PATTERNS as FUSION_PATTERNS
+    fusions = list(raw.get("fusions", []))
+    for f in fusions:
+        if f not in FUSION_PATTERNS:
+            fail("fusions", f"unknown fusion pattern {f!r} (known: {', '.join(FUSION_PATTERNS)})")
+    return Target(name=raw["name"], description=raw.get("description", ""), specs=specs, ops=ops, fusions=fusions,
+                  quantize_fusion_side_inputs=bool(raw.get("quantize_fusion_side_inputs", False)),
+                  quantize_graph_outputs=bool(raw.get("quantize_graph_outputs", False)), bias=bias,
+                  opset_min=int(raw.get("opset_min", 13)), activation_spec=act, source=where)

@@ -1,0 +1,1 @@
+"""Graph passes, installed as oq.passes. One family of rewrites per module."""

@@ -1,0 +1,180 @@
+"""Turn the target's per-op rules into a quantization plan: which tensors get Q/DQ, with which spec, shared how."""
+from __future__ import annotations
+
+import re
+
+import onnx_graphsurgeon as gs
+
+from oq import ir
+from oq.opinfo import BIAS_INPUT, is_weight_input, weight_channel_axis
+from oq.passmanager import Context, Pass, PassResult, has_target, unique_node_names
+from oq.plan import ALL_CONSUMERS, ActivationQuant, BiasQuant, QuantPlan, WeightQuant
+from oq.target import Target
+
+
+def excluded(node: gs.Node, patterns: list[str]) -> bool:
+    """--exclude entries match a node name, an op type, or (as a regex) a node name."""
+    for p in patterns:
+        if p == node.name or p == node.op:
+            return True
+        try:
+            if re.fullmatch(p, node.name):
+                return True
+        except re.error:
+            continue
+    return False
+
+
+class Annotate(Pass):
+    name = "annotate"
+    requires = (has_target, unique_node_names)
+
+    def run(self, ctx: Context) -> PassResult:
+        target: Target = ctx.target
+        exclude = list(getattr(ctx.options, "exclude", None) or [])
+        planner = _Planner(ctx.graph, target, ctx.fusions, exclude)
+        ctx.plan = planner.build()
+        n_q = sum(1 for q, _ in ctx.plan.status.values() if q)
+        return PassResult(False, [f"{n_q} nodes to quantize, {len(ctx.plan.activations)} activation and "
+                                  f"{len(ctx.plan.weights)} weight Q/DQ planned"])
+
+
+class _Planner:
+    def __init__(self, graph: gs.Graph, target: Target, fusions, exclude: list[str]):
+        self.graph, self.target, self.exclude = graph, target, exclude
+        self.uses = ir.UseIndex(graph)
+        self.plan = QuantPlan()
+        self.fused_into: dict[str, object] = {}
+        self.anchor_group: dict[str, object] = {}
+        for g in fusions:
+            self.anchor_group[g.anchor.name] = g
+            for n in g.nodes[1:]:
+                self.fused_into[n.name] = g
+
+    def build(self) -> QuantPlan:
+        status = self.plan.status
+        for node in self.graph.nodes:
+            status[node.name] = (False, self._float_reason(node))
+        for node in self.graph.nodes:
+            if node.name in self.fused_into or status[node.name][1] != "":
+                continue
+            rule = self.target.ops[node.op]
+            if rule.output == "shared":
+                continue
+            if self._plan_inputs(node, rule):
+                status[node.name] = (True, "")
+            group = self.anchor_group.get(node.name)
+            if group is not None and status[node.name][0]:
+                self._plan_side_inputs(group)
+            if rule.output == "quantized" and status[node.name][0]:
+                out = group.output if group is not None else node.outputs[0]
+                self._request_output(out)
+        self._propagate_shared()
+        self._plan_biases()
+        for name, group in self.fused_into.items():
+            anchor_q = status[group.anchor.name][0]
+            status[name] = (anchor_q, f"fused into {group.anchor.name} ({group.pattern})"
+                            if anchor_q else f"in fusion {group.pattern} with float {group.anchor.name}")
+        for name, (q, reason) in list(status.items()):
+            if not q and not reason:
+                status[name] = (False, "no neighbour is quantized")
+        return self.plan
+
+    def _float_reason(self, node: gs.Node) -> str:
+        if excluded(node, self.exclude):
+            return "excluded by --exclude"
+        if node.op not in self.target.ops:
+            if node.inputs and not any(ir.is_float(t) for t in node.inputs):
+                return "shape/index path (no float input)"
+            return f"op {node.op} not quantized by target {self.target.name}"
+        return ""
+
+    def _plan_inputs(self, node: gs.Node, rule) -> bool:
+        planned = False
+        for idx, tensor in enumerate(node.inputs):
+            spec_name = rule.spec_name_for(idx)
+            if spec_name is None or not tensor.name or BIAS_INPUT.get(node.op) == idx:
+                continue
+            spec = self.target.spec(spec_name)
+            value = ir.constant_value(tensor)
+            if (value is not None and value.dtype.kind != "f") or (value is None and not ir.is_float(tensor)):
+                continue
+            if value is not None:
+                axis = None
+                if spec.granularity == "per_channel" and is_weight_input(node, idx):
+                    axis = weight_channel_axis(node, value.ndim)
+                elif spec.granularity == "per_channel":
+                    spec = spec.with_(granularity="per_tensor")
+                key = (tensor.name, spec, axis)
+                wq = self.plan.weights.setdefault(key, WeightQuant(tensor.name, spec, axis))
+                wq.consumers.add((node.name, idx))
+            else:
+                if spec.granularity == "per_channel":
+                    spec = self.target.activation  # a weight slot fed at run time (e.g. attention MatMul)
+                self._request(tensor.name, spec, (node.name, idx))
+            planned = True
+        return planned
+
+    def _plan_side_inputs(self, group) -> None:
+        if not self.target.quantize_fusion_side_inputs:
+            return
+        for member, idx in group.side_inputs:
+            tensor = member.inputs[idx]
+            if ir.is_float(tensor) and ir.constant_value(tensor) is None:
+                self._request(tensor.name, self.target.activation, (member.name, idx))
+
+    def _request(self, tensor: str, spec, consumer) -> ActivationQuant:
+        aq = self.plan.activations.get(tensor)
+        if aq is None:
+            aq = self.plan.activations[tensor] = ActivationQuant(tensor, spec, set())
+            self.plan.shared.find(tensor)
+        if consumer is ALL_CONSUMERS:
+            aq.consumers = ALL_CONSUMERS
+        elif aq.consumers is not ALL_CONSUMERS:
+            aq.consumers.add(consumer)
+        return aq
+
+    def _request_output(self, tensor: gs.Tensor) -> None:
+        if not ir.is_float(tensor):
+            return
+        if tensor.name in self.uses.graph_outputs and not self.target.quantize_graph_outputs:
+            for use in self.uses.consumers(tensor):
+                self._request(tensor.name, self.target.activation, (use.node.name, use.index))
+            return
+        self._request(tensor.name, self.target.activation, ALL_CONSUMERS)
+
+    def _propagate_shared(self) -> None:
+        """Ops that run on quantized data without changing its scale (pooling, Concat, ...) are quantized only next
+        to quantized neighbours: when their output is quantized, their inputs share its qparams."""
+        shared_nodes = [n for n in self.graph.nodes
+                        if self.plan.status[n.name] == (False, "") and self.target.ops[n.op].output == "shared"]
+        changed = True
+        while changed:
+            changed = False
+            for node in shared_nodes:
+                out = node.outputs[0]
+                if self.plan.status[node.name][0] or out.name not in self.plan.activations:
+                    continue
+                rule = self.target.ops[node.op]
+                for idx, tensor in enumerate(node.inputs):
+                    if rule.spec_name_for(idx) is None or not ir.is_float(tensor) or ir.constant_value(tensor) is not None:
+                        continue
+                    self._request(tensor.name, self.plan.activations[out.name].spec, (node.name, idx))
+                    self.plan.shared.union(out.name, tensor.name)
+                self.plan.status[node.name] = (True, "")
+                changed = True
+
+    def _plan_biases(self) -> None:
+        for node in self.graph.nodes:
+            bidx = BIAS_INPUT.get(node.op)
+            if bidx is None or len(node.inputs) <= bidx or not self.plan.status[node.name][0]:
+                continue
+            rule = self.target.ops[node.op]
+            mode = rule.bias or self.target.bias
+            if mode != "int32" or ir.constant_value(node.inputs[bidx]) is None:
+                continue
+            x, w = node.inputs[0].name, node.inputs[1].name
+            wkey = next((k for k, wq in self.plan.weights.items() if k[0] == w and (node.name, 1) in wq.consumers), None)
+            if wkey is None or x not in self.plan.activations:
+                continue
+            self.plan.biases.append(BiasQuant(node.name, x, wkey))

@@ -1,0 +1,49 @@
+"""Compute qparams: weights from their values, activations from observers fed by streamed calibration data."""
+from __future__ import annotations
+
+import numpy as np
+
+from oq import ir
+from oq.calibrate import observe
+from oq.errors import OqError
+from oq.observers import make_observer
+from oq.passmanager import Context, Pass, PassResult, has_plan
+from oq.spec import qparams_from_range, weight_qparams
+
+
+class Calibrate(Pass):
+    name = "calibrate"
+    requires = (has_plan,)
+
+    def __init__(self, data, batch_size: int = 1, method: str | None = None, progress: bool = True):
+        self.data, self.batch_size, self.method, self.progress = data, batch_size, method, progress
+
+    def run(self, ctx: Context) -> PassResult:
+        plan = ctx.plan
+        tensors = ctx.graph.tensors()
+        for wq in plan.weights.values():
+            wq.qparams = weight_qparams(ir.constant_value(tensors[wq.tensor]), wq.spec, wq.axis)
+        groups = plan.observed_groups()
+        members = [m for ms in groups.values() for m in ms]
+        observers = {}
+        for name in members:
+            spec = plan.activations[name].spec if name in plan.activations else None
+            observers[name] = make_observer(self.method or (spec.observer if spec else "minmax"))
+        if observers:
+            stats = observe(ir.to_model(ctx.graph), observers, self.data, self.batch_size, self.progress)
+        else:
+            stats = {"samples": 0, "tensors": 0, "seconds": 0.0}
+        stats["method"] = self.method or ", ".join(sorted({type(o).name for o in observers.values()})) or "none"
+        for root, ms in groups.items():
+            merged = observers[ms[0]]
+            for m in ms[1:]:
+                merged.merge(observers[m])
+            lo, hi = merged.range()
+            if not (np.isfinite(lo) and np.isfinite(hi)):
+                raise OqError(f"tensor '{ms[0]}' produced NaN or inf during calibration")
+            for m in ms:
+                if m in plan.activations:
+                    plan.activations[m].qparams = qparams_from_range(lo, hi, plan.activations[m].spec)
+        if ctx.report is not None:
+            ctx.report.calibration = stats
+        return PassResult(False, [f"{stats['samples']} samples, {stats['tensors']} tensors, {stats['seconds']:.2f}s"])

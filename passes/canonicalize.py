@@ -1,0 +1,105 @@
+"""Bring any model into the form later passes expect: opset >= 13, unique node names, constants as initializers."""
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import version_converter
+
+from oq import ir
+from oq.errors import OqError
+from oq.passmanager import Context, Pass, PassResult, unique_node_names
+
+MIN_OPSET = 13
+
+
+class Canonicalize(Pass):
+    name = "canonicalize"
+    ensures = (unique_node_names,)
+
+    def __init__(self, min_opset: int = MIN_OPSET):
+        self.min_opset = min_opset
+
+    def run(self, ctx: Context) -> PassResult:
+        notes = []
+        modified = self._upgrade_opset(ctx, notes)
+        graph = ctx.graph
+        modified |= self._constants_to_initializers(graph)
+        modified |= self._drop_identities(graph)
+        modified |= self._name_nodes(graph)
+        return PassResult(modified, notes)
+
+    def _upgrade_opset(self, ctx: Context, notes: list[str]) -> bool:
+        opset = ctx.graph.opset
+        if opset >= self.min_opset:
+            return False
+        model = ir.to_model(ctx.graph)
+        try:
+            upgraded = version_converter.convert_version(model, self.min_opset)
+            onnx.checker.check_model(upgraded)
+        except Exception as exc:
+            raise OqError(f"model uses opset {opset}; oq needs opset >= {self.min_opset} and onnx's version "
+                          f"converter could not upgrade it ({str(exc).splitlines()[0][:200]})") from None
+        ctx.graph = ir.to_graph(upgraded)
+        notes.append(f"upgraded opset {opset} -> {self.min_opset}")
+        return True
+
+    @staticmethod
+    def _constants_to_initializers(graph: gs.Graph) -> bool:
+        outputs = {t.name for t in graph.outputs}
+        changed = False
+        for node in graph.nodes:
+            if node.op != "Constant" or node.outputs[0].name in outputs:
+                continue
+            value = ir.constant_value(node.outputs[0])
+            if value is None:
+                continue  # value_float/value_ints etc.: rare, left alone
+            out = node.outputs[0]
+            const = gs.Constant(out.name, value)
+            for consumer in list(out.outputs):
+                for i, t in enumerate(consumer.inputs):
+                    if t is out:
+                        consumer.inputs[i] = const
+            node.outputs.clear()
+            changed = True
+        if changed:
+            graph.nodes = [n for n in graph.nodes if not (n.op == "Constant" and not n.outputs)]
+        return changed
+
+    @staticmethod
+    def _drop_identities(graph: gs.Graph) -> bool:
+        outputs = {t.name for t in graph.outputs}
+        keep, changed = [], False
+        for node in graph.nodes:
+            if node.op == "Identity" and node.outputs[0].name not in outputs:
+                src, out = node.inputs[0], node.outputs[0]
+                for consumer in list(out.outputs):
+                    for i, t in enumerate(consumer.inputs):
+                        if t is out:
+                            consumer.inputs[i] = src
+                node.inputs.clear()
+                node.outputs.clear()
+                changed = True
+            else:
+                keep.append(node)
+        graph.nodes = keep
+        return changed
+
+    @staticmethod
+    def _name_nodes(graph: gs.Graph) -> bool:
+        counts = Counter(n.name for n in graph.nodes)
+        taken = {n.name for n in graph.nodes if n.name and counts[n.name] == 1}
+        changed = False
+        for node in graph.nodes:
+            if node.name and counts[node.name] == 1:
+                continue
+            base = node.name or node.op.lower()
+            k, name = 0, base
+            while name in taken:
+                k += 1
+                name = f"{base}_{k}"
+            node.name = name
+            taken.add(name)
+            changed = True
+        return changed

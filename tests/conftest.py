@@ -1,0 +1,41 @@
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import models
+
+
+@pytest.fixture(scope="session")
+def model_paths():
+    """Reference models built once per session into the shared cache."""
+    return {name: models.build(name) for name in models.REFERENCE_MODELS}
+
+
+@pytest.fixture(scope="session")
+def calib_files(tmp_path_factory):
+    """Per model: (calibration .npz path, held-out feed dict) from the same distribution."""
+    root = tmp_path_factory.mktemp("calib")
+    out = {}
+    for name in models.REFERENCE_MODELS:
+        path = root / f"{name}.npz"
+        np.savez(path, **models.make_inputs(name, 64, seed=0))
+        out[name] = (path, models.make_inputs(name, 32, seed=1))
+    return out
+
+
+def run_onnx(model, feed, optimize=False):
+    """First output of the model in onnxruntime; optimisations off unless asked (the graph's own semantics)."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feed)[0]
+
+
+def sqnr_db(ref, x):
+    ref = np.asarray(ref, np.float64)
+    noise = ((ref - np.asarray(x, np.float64)) ** 2).sum()
+    return float("inf") if noise == 0 else float(10 * np.log10((ref ** 2).sum() / noise))

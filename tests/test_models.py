@@ -1,0 +1,321 @@
+"""Tests for the reference-model zoo in ``models/``."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper
+
+import models
+from models import CNN_MODELS, REFERENCE_MODELS, build, get_spec, load_torch, make_inputs
+
+torch = pytest.importorskip("torch")
+
+EXPECTED_OPS = {
+    "resnet_mini": {"Conv", "BatchNormalization", "Relu", "MaxPool", "Add", "Concat", "GlobalAveragePool", "Gemm"},
+    "mobilenet_mini": {"Conv", "BatchNormalization", "Clip", "Add", "GlobalAveragePool", "Gemm"},
+    "decoder": {"ConvTranspose", "BatchNormalization", "Relu", "Conv"},
+    "mlp": {"Gemm", "BatchNormalization", "Relu"},
+    "transformer": {"MatMul", "Softmax", "LayerNormalization", "Add", "Erf"},
+}
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("model_cache")
+
+
+@pytest.fixture(scope="session")
+def built(cache_dir):
+    return {name: build(name, cache_dir) for name in REFERENCE_MODELS}
+
+
+@pytest.fixture(scope="session")
+def protos(built):
+    return {name: onnx.load(str(path)) for name, path in built.items()}
+
+
+@pytest.fixture(scope="session")
+def torch_models():
+    return {name: load_torch(name) for name in REFERENCE_MODELS}
+
+
+def _session(path) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 2
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def _dims(value_info) -> list:
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+def _ops(proto) -> Counter:
+    return Counter(n.op_type for n in proto.graph.node)
+
+
+def _attr(node, name, default=None):
+    for a in node.attribute:
+        if a.name == name:
+            return onnx.helper.get_attribute_value(a)
+    return default
+
+
+def _const_values(proto) -> dict[str, np.ndarray]:
+    vals = {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+    for n in proto.graph.node:
+        if n.op_type == "Constant":
+            vals[n.output[0]] = numpy_helper.to_array(_attr(n, "value"))
+    return vals
+
+
+# ------------------------------------------------------------------ API
+
+
+def test_api_constants():
+    assert REFERENCE_MODELS == ("resnet_mini", "mobilenet_mini", "decoder", "mlp", "transformer")
+    assert CNN_MODELS == ("resnet_mini", "mobilenet_mini")
+    assert set(CNN_MODELS) <= set(REFERENCE_MODELS)
+    with pytest.raises(KeyError):
+        build("nope")
+    with pytest.raises(KeyError):
+        make_inputs("nope", 1)
+
+
+# ------------------------------------------------------------ graph checks
+
+
+@pytest.mark.parametrize("name", REFERENCE_MODELS)
+def test_graph_is_valid_standard_onnx(name, built, protos):
+    path, proto = built[name], protos[name]
+    assert path.is_file() and path.suffix == ".onnx"
+    onnx.checker.check_model(str(path), full_check=True)
+    assert {(o.domain or "ai.onnx", o.version) for o in proto.opset_import} == {("ai.onnx", 17)}
+    assert all(n.domain in ("", "ai.onnx") for n in proto.graph.node)
+    assert set(_ops(proto)) >= EXPECTED_OPS[name]
+
+    spec = get_spec(name)
+    assert [i.name for i in proto.graph.input] == list(spec.inputs)
+    assert [o.name for o in proto.graph.output] == list(spec.outputs)
+    for vi, shape in [*zip(proto.graph.input, spec.inputs.values()), *zip(proto.graph.output, spec.outputs.values())]:
+        assert vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+        assert _dims(vi) == list(shape), vi.name
+    assert _dims(proto.graph.input[0])[0] == "batch"
+    # initializers are not graph inputs
+    inits = {i.name for i in proto.graph.initializer}
+    assert not inits & {i.name for i in proto.graph.input}
+
+
+@pytest.mark.parametrize("name", REFERENCE_MODELS)
+def test_batchnorm_kept_and_nontrivial(name, protos, torch_models):
+    proto = protos[name]
+    has_bn = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in torch_models[name].modules())
+    assert has_bn == get_spec(name).has_batchnorm == (name != "transformer")
+    bns = [n for n in proto.graph.node if n.op_type == "BatchNormalization"]
+    n_torch_bn = sum(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in torch_models[name].modules())
+    assert len(bns) == n_torch_bn
+    vals = _const_values(proto)
+    for bn in bns:
+        assert len(bn.output) == 1  # inference form: no running-stat outputs
+        assert _attr(bn, "training_mode", 0) == 0
+        gamma, beta, mean, var = (vals[i] for i in bn.input[1:5])
+        assert np.all(var > 0)
+        assert np.std(var) > 1e-3 and not np.allclose(var, 1.0, atol=0.05)
+        assert np.abs(mean).max() > 1e-2 and np.std(mean) > 1e-3
+        assert not np.allclose(gamma, 1.0) and np.std(gamma) > 0.05
+        assert not np.allclose(beta, 0.0) and np.std(beta) > 0.05
+        # folding would change the producer's weights by gamma / sqrt(var + eps) visibly
+        scale = gamma / np.sqrt(var + _attr(bn, "epsilon", 1e-5))
+        assert np.abs(scale - 1.0).max() > 0.1
+
+
+def test_resnet_ops(protos):
+    ops = _ops(protos["resnet_mini"])
+    assert ops["Concat"] >= 1 and ops["Add"] >= 2
+    assert ops["BatchNormalization"] == ops["Conv"]  # every conv (incl. the 1x1 downsample) has BN
+    assert ops["MaxPool"] == 1 and ops["GlobalAveragePool"] == 1
+    convs = [n for n in protos["resnet_mini"].graph.node if n.op_type == "Conv"]
+    assert any(_attr(c, "kernel_shape") == [1, 1] and _attr(c, "strides") == [2, 2] for c in convs)
+    concat = next(n for n in protos["resnet_mini"].graph.node if n.op_type == "Concat")
+    assert _attr(concat, "axis") == 1 and len(concat.input) == 2
+
+
+def test_mobilenet_ops(protos):
+    proto = protos["mobilenet_mini"]
+    vals = _const_values(proto)
+    depthwise = []
+    for n in proto.graph.node:
+        if n.op_type == "Conv":
+            w = vals[n.input[1]]
+            group = _attr(n, "group", 1)
+            if group > 1 and group == w.shape[0] and w.shape[1] == 1:
+                depthwise.append(n)
+    assert len(depthwise) >= 3
+    assert any(_attr(n, "strides") == [2, 2] for n in depthwise)
+    clips = [n for n in proto.graph.node if n.op_type == "Clip"]
+    assert clips
+    for c in clips:
+        assert float(vals[c.input[1]]) == 0.0 and float(vals[c.input[2]]) == 6.0
+    assert _ops(proto)["Add"] >= 2  # residual connections
+    assert "Relu" not in _ops(proto)
+
+
+def test_decoder_ops(protos):
+    cts = [n for n in protos["decoder"].graph.node if n.op_type == "ConvTranspose"]
+    assert len(cts) == 2
+    assert all(_attr(n, "strides") == [2, 2] for n in cts)
+    assert any(_attr(n, "group", 1) > 1 for n in cts)
+
+
+def test_mlp_ops(protos):
+    ops = _ops(protos["mlp"])
+    assert ops["Gemm"] == 3 and "MatMul" not in ops
+
+
+def test_transformer_ops(protos):
+    proto = protos["transformer"]
+    ops = _ops(proto)
+    assert ops["MatMul"] >= 6  # q, k, v, q.k^T, attn.v, out proj (+ FFN)
+    assert ops["Softmax"] == 1 and ops["LayerNormalization"] == 2
+    assert "BatchNormalization" not in ops
+    assert _dims(proto.graph.input[0]) == ["batch", "seq", 64]
+    assert _dims(proto.graph.output[0]) == ["batch", "seq", 64]
+    # plain graph: no attention contrib ops, no shape side-graphs
+    assert not {"Attention", "MultiHeadAttention", "Shape", "Gather"} & set(ops)
+
+
+# ------------------------------------------------------ numerics vs torch
+
+
+def _compare(sess, model, feeds, tol=1e-4):
+    (x,) = feeds.values()
+    got = sess.run(None, feeds)[0]
+    with torch.no_grad():
+        want = model(torch.from_numpy(x)).numpy()
+    assert got.shape == want.shape
+    scale = max(float(np.abs(want).max()), 1e-6)
+    err = float(np.abs(got - want).max()) / scale
+    assert err < tol, f"max rel err {err:.2e}"
+    return want
+
+
+@pytest.mark.parametrize("name", REFERENCE_MODELS)
+def test_onnx_matches_torch(name, built, torch_models):
+    sess = _session(built[name])
+    model = torch_models[name]
+    assert not model.training
+    out = _compare(sess, model, make_inputs(name, 16, seed=1))
+    # meaningful scale: nothing vanished or exploded
+    assert 0.3 < float(out.std()) < 10.0
+    # dynamic batch
+    _compare(sess, model, make_inputs(name, 3, seed=2))
+
+
+def test_transformer_dynamic_seq(built, torch_models):
+    sess = _session(built["transformer"])
+    for seq in (7, 23):
+        feeds = make_inputs("transformer", 4, seed=1, seq_len=seq)
+        assert feeds["tokens"].shape == (4, seq, 64)
+        out = _compare(sess, torch_models["transformer"], feeds)
+        assert out.shape == (4, seq, 64)
+
+
+def test_load_torch_deterministic(torch_models):
+    a = torch_models["resnet_mini"].state_dict()
+    b = load_torch("resnet_mini").state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not load_torch("mlp").training
+
+
+# ------------------------------------------------------------- inputs
+
+
+@pytest.mark.parametrize("name", REFERENCE_MODELS)
+def test_make_inputs(name, protos):
+    proto = protos[name]
+    a = make_inputs(name, 8, seed=0)
+    assert list(a) == [i.name for i in proto.graph.input]
+    (x,) = a.values()
+    assert x.dtype == np.float32 and x.shape[0] == 8
+    assert np.isfinite(x).all()
+    spec = get_spec(name)
+    assert x.shape[1:] == tuple(16 if d == "seq" else d for d in spec.inputs[spec.input_name][1:])
+    # deterministic per seed, prefix-stable, different across seeds
+    np.testing.assert_array_equal(x, make_inputs(name, 8, seed=0)[proto.graph.input[0].name])
+    np.testing.assert_array_equal(x[:3], make_inputs(name, 3, seed=0)[proto.graph.input[0].name])
+    (y,) = make_inputs(name, 8, seed=1).values()
+    assert not np.allclose(x, y)
+    # samples within a batch differ
+    assert not np.allclose(x[0], x[1])
+    # roughly normalised
+    assert 0.3 < float(x.std()) < 3.0 and abs(float(x.mean())) < 1.0
+
+
+def test_image_inputs_look_like_images():
+    (x,) = make_inputs("resnet_mini", 16, seed=0).values()
+    assert x.shape == (16, 3, 32, 32)
+    # ImageNet-normalised pixels in [0, 1]
+    assert x.min() >= (0 - 0.485) / 0.229 - 1e-4 and x.max() <= (1 - 0.406) / 0.225 + 1e-4
+    # smooth: neighbouring pixels are strongly correlated
+    corr = np.corrcoef(x[..., :, :-1].ravel(), x[..., :, 1:].ravel())[0, 1]
+    assert corr > 0.8
+    assert set(make_inputs("mobilenet_mini", 2)) == {"input"}
+
+
+# -------------------------------------------------------------- caching
+
+
+def test_cache_reused(built, cache_dir):
+    path = built["mlp"]
+    assert path.parent == cache_dir
+    assert models.cache_key("mlp") in path.name
+    mtime = path.stat().st_mtime_ns
+    again = build("mlp", cache_dir)
+    assert again == path and again.stat().st_mtime_ns == mtime
+    assert not [p for p in cache_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_cache_dir_respected(built, tmp_path, monkeypatch):
+    other = build("mlp", tmp_path / "other")
+    assert other.parent == tmp_path / "other" and other.is_file()
+    assert other != built["mlp"] and other.name == built["mlp"].name
+    monkeypatch.setenv("OQ_MODEL_CACHE", str(tmp_path / "env"))
+    assert models.default_cache_dir() == tmp_path / "env"
+    from_env = build("mlp")
+    assert from_env.parent == tmp_path / "env" and from_env.is_file()
+    monkeypatch.delenv("OQ_MODEL_CACHE")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(models.__file__)))
+    assert str(models.default_cache_dir()) == os.path.join(root, ".cache", "models")
+
+
+def test_cache_key_tracks_torch_version_and_model(monkeypatch):
+    from models import _export
+
+    key = _export.cache_key("mlp")
+    assert key != _export.cache_key("decoder")
+    monkeypatch.setattr(_export, "_torch_version", lambda: "0.0.0")
+    assert _export.cache_key("mlp") != key
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_export(tmp_path, cache_dir, capsys):
+    from models.__main__ import main
+
+    out = tmp_path / "out"
+    assert main(["export", "mlp", "-o", str(out), "--cache-dir", str(cache_dir)]) == 0
+    printed = capsys.readouterr().out.split()
+    expected = [out / "mlp.onnx", out / "mlp.calib.npz", out / "mlp.eval.npz"]
+    assert printed == [str(p) for p in expected]
+    onnx.checker.check_model(str(expected[0]))
+    calib, held_out = np.load(expected[1]), np.load(expected[2])
+    assert calib["input"].shape == (64, 64) and held_out["input"].shape == (32, 64)
+    np.testing.assert_array_equal(calib["input"], make_inputs("mlp", 64, seed=0)["input"])
+    np.testing.assert_array_equal(held_out["input"], make_inputs("mlp", 32, seed=1)["input"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx
 
 from . import ir
-from .data import CalibrationData, model_inputs, open_calibration
+from .data import CalibrationData, RandomSource, model_inputs, open_calibration
 from .errors import OqError
 from .passmanager import Context, FixedPoint, PassManager
 from .report import NodeRecord, Report
@@ -22,6 +22,7 @@ class Options:
     calib_method: str | None = None
     exclude: list[str] = field(default_factory=list)
     progress: bool = True
+    preprocess: str | None = None
 
 
 @dataclass
@@ -75,21 +76,27 @@ def prepare(model) -> Context:
 
 def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_size: int = 16,
              calib_size: int | None = None, calib_method: str | None = None, exclude=(), progress: bool = True,
-             output: "str | os.PathLike | None" = None) -> QuantResult:
+             preprocess: str | None = None, output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
-    calib: an .npz of stacked samples keyed by input name, a folder of .npz feeds, or a CalibrationData.
+    calib: an .npz of stacked samples keyed by input name; a folder of .npz feeds (one complete feed each, shapes
+    may vary) or of images (with `preprocess`, see oq.preprocess); "module:function" or a Python callable returning
+    an iterable of feed dicts; "random" (noise, only on explicit request: the report warns); or a CalibrationData.
     Returns QuantResult(model, report, target); with `output`, the model is also written there atomically.
     """
-    options = Options(batch_size, calib_size, calib_method, list(exclude), progress)
+    options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess)
     if batch_size < 1:
         raise OqError(f"batch size must be >= 1, got {batch_size}")
     tgt = load_target(target)
     proto, name = _load(model)
     if calib is None:
-        raise OqError("no calibration data given (pass an .npz file or a folder of .npz feeds)")
-    data = open_calibration(calib, model_inputs(proto), calib_size)
+        raise OqError("no calibration data given: pass an .npz, a folder of .npz feeds or images, "
+                      "'module:function', or 'random' (not recommended)")
+    data = open_calibration(calib, model_inputs(proto), calib_size, preprocess)
     ctx = Context(graph=ir.to_graph(proto), target=tgt, options=options, report=Report(model=name, target=tgt.name))
+    if isinstance(data, RandomSource):
+        ctx.report.warnings.append("calibrated on random data: ranges do not reflect real inputs, expect poor "
+                                   "accuracy")
     del proto
     PassManager(prepare_passes() + quantize_passes(data, options)).run(ctx)
     for node_name, (quantized, reason) in ctx.plan.status.items():

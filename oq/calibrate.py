@@ -49,7 +49,7 @@ def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: Calibr
             session = _session(with_outputs(model, names), Path(workdir))
         except Exception as exc:
             raise OqError(f"onnxruntime cannot load the model for calibration: {str(exc).splitlines()[0][:300]}") from None
-        bar = tqdm(total=len(data), unit="sample", desc="calibrating", disable=not progress, leave=False)
+        bar = tqdm(total=len(data) or None, unit="sample", desc="calibrating", disable=not progress, leave=False)
         samples = 0
         for count, feed in data.batches(batch_size):
             try:

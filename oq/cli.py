@@ -16,7 +16,10 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="quantize a model for a target")
     run.add_argument("model", help="input .onnx model (never modified)")
     run.add_argument("--target", "-t", default="tensorrt", help="built-in target name or a target .toml file")
-    run.add_argument("--calib", "-c", required=True, help=".npz of stacked samples or a folder of .npz feeds")
+    run.add_argument("--calib", "-c", required=True,
+                     help=".npz of stacked samples, a folder of .npz feeds or of images, module:function, or random")
+    run.add_argument("--preprocess", help="for image folders: resize=256,crop=224,scale=1/255,"
+                     "mean=0.485/0.456/0.406,std=0.229/0.224/0.225,order=rgb,layout=nchw")
     run.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
     run.add_argument("--report", help="also write the run report as JSON here")
     run.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
@@ -41,7 +44,8 @@ def _run(args) -> int:
     if Path(args.output).resolve() == Path(args.model).resolve():
         raise OqError("output path is the input model; oq never overwrites its input")
     result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
-                      calib_method=args.calib_method, exclude=args.exclude, progress=not args.quiet)
+                      calib_method=args.calib_method, exclude=args.exclude, progress=not args.quiet,
+                      preprocess=args.preprocess)
     result.save(args.output)
     if args.report:
         tmp = Path(args.report).with_suffix(".tmp")

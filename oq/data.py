@@ -163,15 +163,145 @@ class NpzFolder(CalibrationData):
             yield feed
 
 
-def open_calibration(calib: "str | os.PathLike | CalibrationData", specs: list[InputSpec],
-                     limit: int | None = None) -> CalibrationData:
+class ImageFolder(CalibrationData):
+    """A folder of images for a model with one image input, preprocessed as `--preprocess` says."""
+
+    def __init__(self, path: Path, specs: list[InputSpec], preprocess: str | None, limit: int | None = None):
+        from .preprocess import IMAGE_SUFFIXES, parse_preprocess
+
+        super().__init__(str(path), specs, limit)
+        if len(specs) != 1 or len(specs[0].shape) != 4:
+            raise OqError(f"{path}: a folder of images can only feed a model with one 4-D image input; this model "
+                          f"takes {', '.join(f'{s.name} {_fmt_shape(s.shape)}' for s in specs)}")
+        self.pp = parse_preprocess(preprocess)
+        self.files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        if not self.files:
+            raise OqError(f"{path}: folder holds no .npz files and no images")
+        shape = specs[0].shape
+        hw = shape[2:4] if self.pp.layout == "nchw" else shape[1:3]
+        self.model_hw = tuple(hw) if all(isinstance(d, int) for d in hw) else None
+
+    def __len__(self) -> int:
+        return min(len(self.files), self.limit) if self.limit else len(self.files)
+
+    def samples(self):
+        from .preprocess import load_image
+
+        spec = self.specs[0]
+        for f in self.files[:len(self)]:
+            arr = load_image(f, self.pp, self.model_hw).astype(spec.dtype)
+            _check_array(str(f), spec, arr)
+            yield {spec.name: arr}
+
+
+class CallableSource(CalibrationData):
+    """`module:function` returning an iterable of feed dicts (each value with the batch axis)."""
+
+    def __init__(self, func, where: str, specs: list[InputSpec], limit: int | None = None):
+        super().__init__(where, specs, limit)
+        self.func = func
+
+    @classmethod
+    def from_ref(cls, ref: str, specs: list[InputSpec], limit: int | None = None) -> "CallableSource":
+        import importlib
+        import sys
+
+        module_name, _, func_name = ref.partition(":")
+        if "" not in sys.path:
+            sys.path.insert(0, "")  # let users name modules in the current folder, as python -m does
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise OqError(f"calibration source {ref}: cannot import module '{module_name}' "
+                          f"({type(exc).__name__}: {str(exc)[:160]})") from None
+        func = getattr(module, func_name, None)
+        if not callable(func):
+            raise OqError(f"calibration source {ref}: module '{module_name}' has no function '{func_name}'")
+        return cls(func, ref, specs, limit)
+
+    def __len__(self) -> int:
+        return self.limit or 0  # unknown until iterated
+
+    def samples(self):
+        try:
+            feeds = self.func()
+            iterator = iter(feeds)
+        except Exception as exc:
+            raise OqError(f"calibration source {self.where} raised {type(exc).__name__}: {str(exc)[:200]}") from None
+        index = 0
+        while self.limit is None or index < self.limit:
+            try:
+                feed = next(iterator)
+            except StopIteration:
+                break
+            except Exception as exc:
+                raise OqError(f"calibration source {self.where} raised {type(exc).__name__} at sample {index}: "
+                              f"{str(exc)[:200]}") from None
+            if not isinstance(feed, dict):
+                raise OqError(f"calibration source {self.where}: sample {index} is a {type(feed).__name__}, "
+                              f"expected a dict of input name -> array")
+            feed = {k: np.asarray(v) for k, v in feed.items()}
+            where = f"{self.where} sample {index}"
+            _check_names(where, self.specs, feed)
+            for spec in self.specs:
+                _check_array(where, spec, feed[spec.name])
+            yield feed
+            index += 1
+        if index == 0:
+            raise OqError(f"calibration source {self.where} yielded no samples")
+
+
+class RandomSource(CalibrationData):
+    """Gaussian noise shaped like the inputs: only on explicit request, and the report says so."""
+
+    def __init__(self, specs: list[InputSpec], limit: int | None = None, seed: int = 0):
+        super().__init__("random", specs, limit)
+        for s in specs:
+            if any(not isinstance(d, int) for d in s.shape[1:]):
+                raise OqError(f"--calib random: input '{s.name}' has dynamic dims {_fmt_shape(s.shape)} beyond the "
+                              f"batch axis; give real calibration data")
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return self.limit or 32
+
+    def samples(self):
+        rng = np.random.default_rng(self.seed)
+        for _ in range(len(self)):
+            feed = {}
+            for s in self.specs:
+                shape = (1, *s.shape[1:])
+                if s.dtype.kind == "f":
+                    feed[s.name] = rng.standard_normal(shape).astype(s.dtype)
+                elif s.dtype.kind in "iu":
+                    feed[s.name] = rng.integers(0, 2, shape).astype(s.dtype)
+                else:
+                    feed[s.name] = np.zeros(shape, s.dtype)
+            yield feed
+
+
+def open_calibration(calib, specs: list[InputSpec], limit: int | None = None,
+                     preprocess: str | None = None) -> CalibrationData:
+    """An .npz of stacked samples, a folder of .npz feeds or images, `module:function`, or "random"."""
     if isinstance(calib, CalibrationData):
         return calib
-    path = Path(calib)
+    if limit is not None and limit < 1:
+        raise OqError(f"--calib-size must be >= 1, got {limit}")
+    if callable(calib):
+        return CallableSource(calib, getattr(calib, "__name__", "callable"), specs, limit)
+    text = str(calib)
+    if text == "random":
+        return RandomSource(specs, limit)
+    path = Path(text)
+    if not path.exists() and ":" in text and not text.endswith(".npz"):
+        return CallableSource.from_ref(text, specs, limit)
     if not path.exists():
         raise OqError(f"{path}: calibration data not found")
     if path.is_dir():
-        return NpzFolder(path, specs, limit)
+        if any(p.suffix == ".npz" for p in path.iterdir()):
+            return NpzFolder(path, specs, limit)
+        return ImageFolder(path, specs, preprocess, limit)
     if path.suffix != ".npz":
-        raise OqError(f"{path}: calibration data must be an .npz file or a folder of .npz files")
+        raise OqError(f"{path}: calibration data must be an .npz file, a folder of .npz files or images, "
+                      f"'module:function', or 'random'")
     return NpzStack(path, specs, limit)

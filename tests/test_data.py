@@ -1,0 +1,102 @@
+"""Calibration data sources: each one validated with one-line errors, and batching never changes qparams."""
+import sys
+import types
+
+import numpy as np
+import onnx
+import pytest
+
+import models
+import oq
+from oq.data import model_inputs, open_calibration
+from oq.errors import OqError
+from oq.preprocess import parse_preprocess
+
+
+@pytest.fixture(scope="module")
+def cnn(model_paths):
+    return model_paths["resnet_mini"], model_inputs(onnx.load(str(model_paths["resnet_mini"])))
+
+
+def write_images(folder, n, size=(40, 48)):
+    from PIL import Image
+    folder.mkdir(exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(folder / f"img{i}.png")
+    return folder
+
+
+def test_image_folder_preprocessing(cnn, tmp_path):
+    path, specs = cnn
+    folder = write_images(tmp_path / "imgs", 5)
+    data = open_calibration(folder, specs, preprocess="resize=36,scale=1/255,mean=0.5/0.5/0.5,std=0.25/0.25/0.25")
+    samples = list(data.samples())
+    assert len(samples) == 5 and samples[0]["input"].shape == (1, 3, 32, 32)  # centre crop to the model's size
+    x = samples[0]["input"]
+    assert x.dtype == np.float32 and -2.01 <= x.min() and x.max() <= 2.01
+    result = oq.quantize(path, "tensorrt", folder, progress=False, preprocess="scale=1/255")
+    assert result.report.calibration["samples"] == 5
+
+
+def test_unreadable_image_is_named(cnn, tmp_path):
+    path, specs = cnn
+    folder = write_images(tmp_path / "imgs", 2)
+    (folder / "broken.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(OqError, match=r"broken\.jpg: cannot read image"):
+        oq.quantize(path, "tensorrt", folder, progress=False)
+
+
+@pytest.mark.parametrize("spec,msg", [("crop=abc", "expected N or HxW"), ("color=red", "unknown key 'color'"),
+                                      ("std=0", "must not be 0"), ("layout=chw", "expected nchw or nhwc")])
+def test_bad_preprocess_spec(spec, msg):
+    with pytest.raises(OqError, match=msg):
+        parse_preprocess(spec)
+
+
+def test_callable_source(cnn, tmp_path, monkeypatch):
+    path, specs = cnn
+    module = types.ModuleType("oq_test_feeds")
+    module.good = lambda: ({"input": x[None]} for x in models.make_inputs("resnet_mini", 6)["input"])
+
+    def boom():
+        yield {"input": models.make_inputs("resnet_mini", 1)["input"]}
+        raise RuntimeError("disk on fire")
+    module.boom = boom
+    module.wrong = lambda: [{"image": np.zeros((1, 3, 32, 32), np.float32)}]
+    module.notdict = lambda: [np.zeros(3)]
+    monkeypatch.setitem(sys.modules, "oq_test_feeds", module)
+    result = oq.quantize(path, "tensorrt", "oq_test_feeds:good", progress=False)
+    assert result.report.calibration["samples"] == 6
+    with pytest.raises(OqError, match="raised RuntimeError at sample 1: disk on fire"):
+        oq.quantize(path, "tensorrt", "oq_test_feeds:boom", progress=False)
+    with pytest.raises(OqError, match="has no array for input 'input'; it has: 'image'"):
+        oq.quantize(path, "tensorrt", "oq_test_feeds:wrong", progress=False)
+    with pytest.raises(OqError, match="sample 0 is a ndarray"):
+        oq.quantize(path, "tensorrt", "oq_test_feeds:notdict", progress=False)
+    with pytest.raises(OqError, match="has no function 'missing'"):
+        oq.quantize(path, "tensorrt", "oq_test_feeds:missing", progress=False)
+    with pytest.raises(OqError, match="cannot import module 'no_such_mod_xyz'"):
+        oq.quantize(path, "tensorrt", "no_such_mod_xyz:f", progress=False)
+
+
+def test_random_calibration_only_when_asked_and_warned(cnn):
+    path, _ = cnn
+    result = oq.quantize(path, "tensorrt", "random", calib_size=4, progress=False)
+    assert any("random data" in w for w in result.report.warnings)
+    with pytest.raises(OqError, match="no calibration data given"):
+        oq.quantize(path, "tensorrt", None, progress=False)
+
+
+def qparams_of(model):
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+    return {n.name: (inits[n.input[1]].tolist(), inits[n.input[2]].tolist())
+            for n in model.graph.node if n.op_type == "QuantizeLinear"}
+
+
+@pytest.mark.parametrize("target", ["tensorrt", "onnxruntime"])
+def test_batch_size_does_not_change_qparams(model_paths, calib_files, target):
+    path, calib = model_paths["mobilenet_mini"], calib_files["mobilenet_mini"][0]
+    one = oq.quantize(path, target, calib, batch_size=1, progress=False)
+    sixteen = oq.quantize(path, target, calib, batch_size=16, progress=False)
+    assert qparams_of(one.model) == qparams_of(sixteen.model)

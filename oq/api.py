@@ -23,6 +23,7 @@ class Options:
     exclude: list[str] = field(default_factory=list)
     progress: bool = True
     preprocess: str | None = None
+    max_memory_mb: float | None = None
 
 
 @dataclass
@@ -56,7 +57,7 @@ def quantize_passes(data: CalibrationData, options: Options):
     from .passes.insert_qdq import InsertQDQ
 
     return [FusePatterns(), Annotate(),
-            Calibrate(data, options.batch_size, options.calib_method, options.progress),
+            Calibrate(data, options.batch_size, options.calib_method, options.progress, options.max_memory_mb),
             InsertQDQ(), Finalize()]
 
 
@@ -76,7 +77,8 @@ def prepare(model) -> Context:
 
 def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_size: int = 16,
              calib_size: int | None = None, calib_method: str | None = None, exclude=(), progress: bool = True,
-             preprocess: str | None = None, output: "str | os.PathLike | None" = None) -> QuantResult:
+             preprocess: str | None = None, max_memory_mb: float | None = None,
+             output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
     calib: an .npz of stacked samples keyed by input name; a folder of .npz feeds (one complete feed each, shapes
@@ -84,7 +86,7 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     an iterable of feed dicts; "random" (noise, only on explicit request: the report warns); or a CalibrationData.
     Returns QuantResult(model, report, target); with `output`, the model is also written there atomically.
     """
-    options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess)
+    options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess, max_memory_mb)
     if batch_size < 1:
         raise OqError(f"batch size must be >= 1, got {batch_size}")
     tgt = load_target(target)

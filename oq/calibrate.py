@@ -39,9 +39,54 @@ def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     return augmented
 
 
+def _elements_per_sample(model: onnx.ModelProto, names: list[str], feed: dict[str, np.ndarray]) -> dict[str, int]:
+    """Estimated elements of each tensor for one sample, from inferred shapes with symbolic dims resolved from a
+    feed; unknown dims count as 1 (an underestimate only for data-dependent shapes)."""
+    dims: dict[str, int] = {}
+    for vi in model.graph.input:
+        if vi.name in feed:
+            for d, size in zip(vi.type.tensor_type.shape.dim, feed[vi.name].shape):
+                if d.dim_param:
+                    dims[d.dim_param] = size
+    batch_dims = {vi.type.tensor_type.shape.dim[0].dim_param for vi in model.graph.input
+                  if vi.type.tensor_type.shape.dim and vi.type.tensor_type.shape.dim[0].dim_param}
+    shapes = {vi.name: vi.type.tensor_type.shape.dim for vi in model.graph.value_info}
+    out = {}
+    for name in names:
+        n = 1
+        for d in shapes.get(name, []):
+            if d.HasField("dim_value"):
+                n *= d.dim_value
+            elif d.dim_param and d.dim_param not in batch_dims:
+                n *= dims.get(d.dim_param, 1)
+        out[name] = n
+    return out
+
+
+def plan_passes(sizes: dict[str, int], batch_size: int, max_bytes: int | None) -> list[list[str]]:
+    """Split the observed tensors into groups whose outputs for one batch fit in max_bytes (float32)."""
+    names = list(sizes)
+    if not max_bytes:
+        return [names]
+    groups, current, used = [], [], 0
+    for name in sorted(names, key=lambda n: -sizes[n]):
+        need = sizes[name] * 4 * batch_size
+        if current and used + need > max_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append(name)
+        used += need
+    if current:
+        groups.append(current)
+    return groups
+
+
 def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: CalibrationData, batch_size: int = 1,
-            progress: bool = True) -> dict:
-    """Stream `data` through the model once, updating observers[tensor] with every batch. Returns run statistics."""
+            progress: bool = True, max_memory_mb: float | None = None) -> dict:
+    """Stream `data` through one onnxruntime session, updating observers[tensor] with every batch.
+
+    With max_memory_mb, the observed tensors are split into groups whose outputs for one batch fit the budget, and
+    the data is streamed once per group (observers see the same values either way)."""
     names = list(observers)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="oq-calib-") as workdir:
@@ -49,18 +94,28 @@ def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: Calibr
             session = _session(with_outputs(model, names), Path(workdir))
         except Exception as exc:
             raise OqError(f"onnxruntime cannot load the model for calibration: {str(exc).splitlines()[0][:300]}") from None
-        bar = tqdm(total=len(data) or None, unit="sample", desc="calibrating", disable=not progress, leave=False)
+        groups = [names]
+        if max_memory_mb:
+            first = next(iter(data.samples()), None)
+            if first is not None:
+                sizes = _elements_per_sample(model, names, first)
+                groups = plan_passes(sizes, batch_size, int(max_memory_mb * 2**20))
         samples = 0
-        for count, feed in data.batches(batch_size):
-            try:
-                outputs = session.run(names, feed)
-            except Exception as exc:
-                raise OqError(f"{data.where}: onnxruntime failed on samples {samples}..{samples + count - 1}: "
-                              f"{str(exc).splitlines()[0][:300]}") from None
-            for name, value in zip(names, outputs):
-                observers[name].update(np.asarray(value))
-            del outputs
-            samples += count
-            bar.update(count)
-        bar.close()
-    return {"samples": samples, "tensors": len(names), "seconds": time.perf_counter() - start}
+        for k, group in enumerate(groups):
+            desc = "calibrating" if len(groups) == 1 else f"calibrating {k + 1}/{len(groups)}"
+            bar = tqdm(total=len(data) or None, unit="sample", desc=desc, disable=not progress, leave=False)
+            samples = 0
+            for count, feed in data.batches(batch_size):
+                try:
+                    outputs = session.run(group, feed)
+                except Exception as exc:
+                    raise OqError(f"{data.where}: onnxruntime failed on samples {samples}..{samples + count - 1}: "
+                                  f"{str(exc).splitlines()[0][:300]}") from None
+                for name, value in zip(group, outputs):
+                    observers[name].update(np.asarray(value))
+                del outputs
+                samples += count
+                bar.update(count)
+            bar.close()
+    return {"samples": samples, "tensors": len(names), "passes": len(groups),
+            "seconds": time.perf_counter() - start}

@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
     run.add_argument("--calib-size", type=int, help="use at most this many calibration samples")
     run.add_argument("--calib-method", help="observer for activations (default: the target's)")
+    run.add_argument("--max-memory", type=float, metavar="MB",
+                     help="bound on observed activations held per batch; more passes over the data if needed")
     run.add_argument("--exclude", action="append", default=[],
                      help="keep nodes in float: node name, op type or regex over node names (repeatable)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
@@ -45,7 +47,7 @@ def _run(args) -> int:
         raise OqError("output path is the input model; oq never overwrites its input")
     result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
                       calib_method=args.calib_method, exclude=args.exclude, progress=not args.quiet,
-                      preprocess=args.preprocess)
+                      preprocess=args.preprocess, max_memory_mb=args.max_memory)
     result.save(args.output)
     if args.report:
         tmp = Path(args.report).with_suffix(".tmp")

@@ -15,8 +15,11 @@ class Calibrate(Pass):
     name = "calibrate"
     requires = (has_plan,)
 
-    def __init__(self, data, batch_size: int = 1, method: str | None = None, progress: bool = True):
+    def __init__(self, data, batch_size: int = 1, method: str | None = None, progress: bool = True,
+                 max_memory_mb: float | None = None, observer_args: dict | None = None):
         self.data, self.batch_size, self.method, self.progress = data, batch_size, method, progress
+        self.max_memory_mb = max_memory_mb
+        self.observer_args = observer_args or {}
 
     def run(self, ctx: Context) -> PassResult:
         plan = ctx.plan
@@ -30,7 +33,8 @@ class Calibrate(Pass):
             spec = plan.activations[name].spec if name in plan.activations else None
             observers[name] = make_observer(self.method or (spec.observer if spec else "minmax"))
         if observers:
-            stats = observe(ir.to_model(ctx.graph), observers, self.data, self.batch_size, self.progress)
+            stats = observe(ir.to_model(ctx.graph), observers, self.data, self.batch_size, self.progress,
+                            self.max_memory_mb)
         else:
             stats = {"samples": 0, "tensors": 0, "seconds": 0.0}
         stats["method"] = self.method or ", ".join(sorted({type(o).name for o in observers.values()})) or "none"

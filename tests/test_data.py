@@ -100,3 +100,42 @@ def test_batch_size_does_not_change_qparams(model_paths, calib_files, target):
     one = oq.quantize(path, target, calib, batch_size=1, progress=False)
     sixteen = oq.quantize(path, target, calib, batch_size=16, progress=False)
     assert qparams_of(one.model) == qparams_of(sixteen.model)
+
+
+def test_memory_budget_splits_passes_without_changing_qparams(model_paths, calib_files):
+    path, calib = model_paths["resnet_mini"], calib_files["resnet_mini"][0]
+    whole = oq.quantize(path, "onnxruntime", calib, progress=False)
+    split = oq.quantize(path, "onnxruntime", calib, max_memory_mb=0.5, progress=False)
+    assert whole.report.calibration["passes"] == 1 and split.report.calibration["passes"] > 1
+    assert qparams_of(whole.model) == qparams_of(split.model)
+
+
+def test_calibration_memory_does_not_grow_with_samples(model_paths):
+    """Peak Python-side memory (numpy outputs included) of the streaming runner: 32 vs 256 samples."""
+    import tracemalloc
+
+    from oq.calibrate import observe
+    from oq.data import NpzStack
+    from oq.observers import make_observer
+
+    model = onnx.load(str(model_paths["decoder"]))  # the largest activations of the reference models
+    names = [n.output[0] for n in model.graph.node]
+    specs = model_inputs(model)
+    arrays = models.make_inputs("decoder", 256)
+
+    class InMemory(NpzStack):
+        def __init__(self, n):
+            self.where, self.specs, self.limit, self.count = "mem", specs, n, 256
+
+        def samples(self):
+            for i in range(self.limit):
+                yield {"input": arrays["input"][i:i + 1]}
+
+    peaks = []
+    for n in (32, 256):
+        observers = {name: make_observer("minmax") for name in names}
+        tracemalloc.start()
+        observe(model, observers, InMemory(n), batch_size=16, progress=False)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert peaks[1] < 1.1 * peaks[0], peaks

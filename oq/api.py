@@ -33,7 +33,14 @@ class QuantResult:
     target: Target
 
     def save(self, path: "str | os.PathLike") -> Path:
-        return ir.save_model(self.model, path)
+        path = ir.save_model(self.model, path)
+        if ir.model_size(self.model) >= ir.EXTERNAL_DATA_THRESHOLD:
+            # too big to check in memory before writing: check the written file (external data included)
+            try:
+                onnx.checker.check_model(str(path), full_check=True)
+            except Exception as exc:
+                raise OqError(f"internal error: {path} fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        return path
 
 
 def prepare_passes():

@@ -72,3 +72,24 @@ def test_toposort_orders_and_detects_cycles():
                           gs.Node("Relu", "r2", inputs=[b], outputs=[a])])
     with pytest.raises(OqError, match="cycle"):
         ir.toposort(cyc)
+
+
+def test_models_past_the_size_threshold_use_external_data_end_to_end(tmp_path, monkeypatch, model_paths):
+    """The >2 GB path (external data for the session, the output and shape inference), with the threshold lowered
+    so a small model takes it."""
+    import models
+    import oq
+    from conftest import run_onnx, sqnr_db
+
+    monkeypatch.setattr(ir, "EXTERNAL_DATA_THRESHOLD", 10_000)
+    src = tmp_path / "src.onnx"
+    ir.save_model(onnx.load(str(model_paths["resnet_mini"])), src)
+    assert (tmp_path / "src.onnx.data").exists()
+    calib = tmp_path / "c.npz"
+    np.savez(calib, **models.make_inputs("resnet_mini", 16))
+    out = tmp_path / "out.onnx"
+    oq.quantize(src, "onnxruntime", calib, progress=False, output=out)
+    assert (tmp_path / "out.onnx.data").exists()
+    assert out.stat().st_size < 200_000  # weights live in the data file
+    feed = models.make_inputs("resnet_mini", 4, seed=2)
+    assert sqnr_db(run_onnx(src, feed), run_onnx(out, feed)) > 15

@@ -24,6 +24,7 @@ class Options:
     progress: bool = True
     preprocess: str | None = None
     max_memory_mb: float | None = None
+    percentile: float | None = None
 
 
 @dataclass
@@ -31,8 +32,11 @@ class QuantResult:
     model: onnx.ModelProto
     report: Report
     target: Target
+    # side files the target emits, keyed by the suffix appended to the output's stem (e.g. ".calib.cache")
+    side_files: dict[str, bytes] = field(default_factory=dict)
 
     def save(self, path: "str | os.PathLike") -> Path:
+        """Write the model (and the target's side files beside it), each file atomically."""
         path = ir.save_model(self.model, path)
         if ir.model_size(self.model) >= ir.EXTERNAL_DATA_THRESHOLD:
             # too big to check in memory before writing: check the written file (external data included)
@@ -40,18 +44,22 @@ class QuantResult:
                 onnx.checker.check_model(str(path), full_check=True)
             except Exception as exc:
                 raise OqError(f"internal error: {path} fails onnx.checker: {str(exc).splitlines()[0]}") from None
+        for suffix, content in self.side_files.items():
+            side = path.with_name(path.stem + suffix)
+            ir.write_atomic(side, content)
+            self.report.side_files.append(str(side))
         return path
 
 
-def prepare_passes():
-    """Graph clean-up every run starts with; independent of the target."""
+def prepare_passes(min_opset: int = 13):
+    """Graph clean-up every run starts with; the target only sets the minimum opset."""
     from .passes.canonicalize import Canonicalize
     from .passes.dead_code import RemoveDeadNodes
     from .passes.fold_bn import FoldBatchNorm
     from .passes.fold_constants import FoldConstants
     from .passes.shape_inference import InferShapes
 
-    return [Canonicalize(), InferShapes(),
+    return [Canonicalize(min_opset), InferShapes(),
             FixedPoint("fold", [FoldConstants(), FoldBatchNorm(), RemoveDeadNodes()]),
             InferShapes()]
 
@@ -64,7 +72,8 @@ def quantize_passes(data: CalibrationData, options: Options):
     from .passes.insert_qdq import InsertQDQ
 
     return [FusePatterns(), Annotate(),
-            Calibrate(data, options.batch_size, options.calib_method, options.progress, options.max_memory_mb),
+            Calibrate(data, options.batch_size, options.calib_method, options.progress, options.max_memory_mb,
+                      {"percentile": options.percentile} if options.percentile is not None else {}),
             InsertQDQ(), Finalize()]
 
 
@@ -84,7 +93,7 @@ def prepare(model) -> Context:
 
 def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_size: int = 16,
              calib_size: int | None = None, calib_method: str | None = None, exclude=(), progress: bool = True,
-             preprocess: str | None = None, max_memory_mb: float | None = None,
+             preprocess: str | None = None, max_memory_mb: float | None = None, percentile: float | None = None,
              output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
@@ -93,7 +102,8 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     an iterable of feed dicts; "random" (noise, only on explicit request: the report warns); or a CalibrationData.
     Returns QuantResult(model, report, target); with `output`, the model is also written there atomically.
     """
-    options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess, max_memory_mb)
+    options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess, max_memory_mb,
+                      percentile)
     if batch_size < 1:
         raise OqError(f"batch size must be >= 1, got {batch_size}")
     tgt = load_target(target)
@@ -106,18 +116,22 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     if isinstance(data, RandomSource):
         ctx.report.warnings.append("calibrated on random data: ranges do not reflect real inputs, expect poor "
                                    "accuracy")
+    template = onnx.ModelProto(doc_string=proto.doc_string, model_version=proto.model_version, domain=proto.domain)
+    template.metadata_props.extend(proto.metadata_props)
     del proto
-    PassManager(prepare_passes() + quantize_passes(data, options)).run(ctx)
+    PassManager(prepare_passes(tgt.opset_min) + quantize_passes(data, options)).run(ctx)
+    op_of = {n.name: n.op for n in ctx.graph.nodes}
     for node_name, (quantized, reason) in ctx.plan.status.items():
-        op = next((n.op for n in ctx.graph.nodes if n.name == node_name), "?")
-        ctx.report.nodes.append(NodeRecord(node_name, op, quantized, reason))
-    result_model = ir.to_model(ctx.graph, template=None)
+        ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
+    result_model = ir.to_model(ctx.graph, template=template)
     if ir.model_size(result_model) < ir.EXTERNAL_DATA_THRESHOLD:
         try:
             onnx.checker.check_model(result_model, full_check=True)
         except Exception as exc:
             raise OqError(f"internal error: the quantized model fails onnx.checker: {str(exc).splitlines()[0]}") from None
-    result = QuantResult(result_model, ctx.report, tgt)
+    from .emit import emit_side_files
+
+    result = QuantResult(result_model, ctx.report, tgt, emit_side_files(tgt.side_files, ctx.plan))
     if output is not None:
         result.save(output)
     return result

@@ -24,7 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="also write the run report as JSON here")
     run.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
     run.add_argument("--calib-size", type=int, help="use at most this many calibration samples")
-    run.add_argument("--calib-method", help="observer for activations (default: the target's)")
+    run.add_argument("--calib-method", choices=["minmax", "ema", "percentile", "entropy", "mse"],
+                     help="observer for activations (default: the target's)")
+    run.add_argument("--percentile", type=float, help="for --calib-method percentile (default 99.99)")
     run.add_argument("--max-memory", type=float, metavar="MB",
                      help="bound on observed activations held per batch; more passes over the data if needed")
     run.add_argument("--exclude", action="append", default=[],
@@ -47,12 +49,13 @@ def _run(args) -> int:
         raise OqError("output path is the input model; oq never overwrites its input")
     result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
                       calib_method=args.calib_method, exclude=args.exclude, progress=not args.quiet,
-                      preprocess=args.preprocess, max_memory_mb=args.max_memory)
+                      preprocess=args.preprocess, max_memory_mb=args.max_memory,
+                      percentile=args.percentile)
     result.save(args.output)
     if args.report:
-        tmp = Path(args.report).with_suffix(".tmp")
-        tmp.write_text(result.report.to_json())
-        tmp.replace(args.report)
+        from .ir import write_atomic
+
+        write_atomic(Path(args.report), result.report.to_json().encode())
     if not args.quiet:
         print(result.report.format_table())
         print(f"\nwrote {args.output}")
@@ -87,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except OqError as exc:
         print(f"oq: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `oq targets show X | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print("oq: interrupted", file=sys.stderr)
         return 130

@@ -11,6 +11,21 @@ from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.spec import qparams_from_range, weight_qparams
 
 
+def observer_for(method: str, spec, extra: dict):
+    """An observer for one tensor, told what the spec's grid looks like where the method needs it."""
+    kwargs = {}
+    if spec is not None and method in ("entropy", "mse"):
+        kwargs["bits"] = spec.bits
+        if method == "mse":
+            kwargs["symmetric"] = spec.symmetric
+        elif spec.symmetric and spec.signed:
+            qmin, qmax = spec.qrange
+            kwargs["levels"] = (qmax - qmin + 1) // 2  # a signed symmetric grid has half its levels per side
+    if method == "percentile" and "percentile" in extra:
+        kwargs["percentile"] = extra["percentile"]
+    return make_observer(method, **kwargs)
+
+
 class Calibrate(Pass):
     name = "calibrate"
     requires = (has_plan,)
@@ -31,7 +46,8 @@ class Calibrate(Pass):
         observers = {}
         for name in members:
             spec = plan.activations[name].spec if name in plan.activations else None
-            observers[name] = make_observer(self.method or (spec.observer if spec else "minmax"))
+            observers[name] = observer_for(self.method or (spec.observer if spec else "minmax"), spec,
+                                           self.observer_args)
         if observers:
             stats = observe(ir.to_model(ctx.graph), observers, self.data, self.batch_size, self.progress,
                             self.max_memory_mb)

@@ -77,6 +77,13 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
     return path
 
 
+def write_atomic(path: Path, content: bytes) -> None:
+    """Write bytes whole or not at all (temp file in the same folder, then rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(content)
+    os.replace(tmp, path)
+
+
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)

@@ -17,6 +17,7 @@ DTYPES = {
     "int32": (-(2**31), 2**31 - 1, np.int32, onnx.TensorProto.INT32),
 }
 GRANULARITIES = ("per_tensor", "per_channel")
+ROUNDINGS = ("half_even", "half_away")
 # Below this a scale underflows float32 arithmetic in the runtimes; zero-range tensors get scale 1.
 MIN_SCALE = 1e-12
 
@@ -29,6 +30,12 @@ class QuantSpec:
     granularity: str = "per_tensor"
     observer: str = "minmax"
     power_of_two: bool = False
+    # constraints
+    quant_min: int | None = None  # narrower integer range than the dtype's (e.g. 4-bit values in int8)
+    quant_max: int | None = None
+    min_scale: float = 0.0
+    zero_point: int | None = None  # fixed zero-point (symmetric specs only)
+    rounding: str = "half_even"  # how weights are rounded offline; runtimes always round half to even
 
     def __post_init__(self):
         if self.dtype not in DTYPES or self.dtype == "int32":
@@ -36,6 +43,21 @@ class QuantSpec:
                           f"{', '.join(d for d in DTYPES if d != 'int32')}")
         if self.granularity not in GRANULARITIES:
             raise OqError(f"unknown granularity {self.granularity!r}; choose from {', '.join(GRANULARITIES)}")
+        if self.rounding not in ROUNDINGS:
+            raise OqError(f"unknown rounding {self.rounding!r}; choose from {', '.join(ROUNDINGS)}")
+        lo, hi = DTYPES[self.dtype][:2]
+        qmin, qmax = self.qrange
+        if not lo <= qmin < qmax <= hi:
+            raise OqError(f"quant_min/quant_max [{qmin}, {qmax}] must be an increasing range inside {self.dtype} "
+                          f"[{lo}, {hi}]")
+        if self.zero_point is not None:
+            if not self.symmetric:
+                raise OqError("an asymmetric spec cannot fix the zero-point (asymmetric means the zero-point "
+                              "follows the data); use symmetric = true or drop zero_point")
+            if not qmin <= self.zero_point <= qmax:
+                raise OqError(f"zero_point {self.zero_point} is outside the range [{qmin}, {qmax}]")
+        if not (self.min_scale >= 0 and np.isfinite(self.min_scale)):
+            raise OqError(f"min_scale must be a finite number >= 0, got {self.min_scale}")
 
     @property
     def signed(self) -> bool:
@@ -44,9 +66,16 @@ class QuantSpec:
     @property
     def qrange(self) -> tuple[int, int]:
         qmin, qmax = DTYPES[self.dtype][:2]
-        if self.narrow_range and self.signed:
+        qmin = self.quant_min if self.quant_min is not None else qmin
+        qmax = self.quant_max if self.quant_max is not None else qmax
+        if self.narrow_range and self.signed and qmin == -qmax - 1:
             qmin += 1
         return qmin, qmax
+
+    @property
+    def bits(self) -> int:
+        qmin, qmax = self.qrange
+        return int(np.ceil(np.log2(qmax - qmin + 1)))
 
     @property
     def np_dtype(self):
@@ -77,16 +106,15 @@ def qparams_from_range(lo, hi, spec: QuantSpec, axis: int | None = None) -> QPar
     qmin, qmax = spec.qrange
     if spec.symmetric:
         amax = np.maximum(-lo, hi)
-        if spec.signed:
-            scale = amax / qmax
-            zp = np.zeros_like(scale)
-        else:
-            zp = np.full_like(amax, (qmin + qmax + 1) // 2)
-            scale = amax / (qmax - zp)
+        center = spec.zero_point if spec.zero_point is not None else (0 if spec.signed else (qmin + qmax + 1) // 2)
+        zp = np.full_like(amax, center)
+        # the side of the grid with fewer steps bounds the scale
+        scale = amax / max(min(qmax - center, center - qmin), 1)
     else:
         scale = (hi - lo) / (qmax - qmin)
     degenerate = ~(scale > MIN_SCALE)
     scale = np.where(degenerate, 1.0, scale)
+    scale = np.maximum(scale, spec.min_scale)
     if spec.power_of_two:
         scale = np.exp2(np.ceil(np.log2(scale)))
     if not spec.symmetric:
@@ -103,7 +131,8 @@ def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
         shape[qp.axis] = -1
         scale, zp = scale.reshape(shape), zp.reshape(shape)
     qmin, qmax = qp.spec.qrange
-    q = np.rint(x.astype(np.float64) / scale.astype(np.float64)) + zp
+    v = x.astype(np.float64) / scale.astype(np.float64)
+    q = (np.rint(v) if qp.spec.rounding == "half_even" else np.sign(v) * np.floor(np.abs(v) + 0.5)) + zp
     return np.asarray(np.clip(q, qmin, qmax).astype(qp.spec.np_dtype))
 
 

@@ -19,8 +19,11 @@ except ModuleNotFoundError:  # Python < 3.11
 OUTPUT_MODES = ("float", "quantized", "shared")
 BIAS_MODES = ("float", "int32")
 TOP_KEYS = {"name", "description", "extends", "fusions", "quantize_fusion_side_inputs", "quantize_graph_outputs",
-            "bias", "opset_min", "specs", "ops", "activation_spec"}
-SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two"}
+            "bias", "opset_min", "specs", "ops", "activation_spec", "side_files"}
+SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two", "quant_min",
+             "quant_max", "min_scale", "zero_point", "rounding"}
+# dtypes that QuantizeLinear/DequantizeLinear accept only from this opset on
+DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21}
 OP_KEYS = {"inputs", "output", "bias"}
 
 
@@ -46,6 +49,7 @@ class Target:
     bias: str = "float"
     opset_min: int = 13
     activation_spec: str = "activation"
+    side_files: list[str] = field(default_factory=list)
     source: str = "built-in"
 
     def spec(self, name: str) -> QuantSpec:
@@ -95,6 +99,22 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+def _resolve_extends(raw: dict, where: str, seen: tuple[str, ...] = ()) -> dict:
+    """Merge a target's overrides onto the built-in target it `extends` (recursively)."""
+    if "extends" not in raw:
+        return raw
+    base = raw["extends"]
+    if not isinstance(base, str):
+        raise OqError(f"{where}: key 'extends': must be the name of a built-in target")
+    if base in seen:
+        raise OqError(f"{where}: key 'extends': cycle through {' -> '.join(seen + (base,))}")
+    if base not in builtin_names():
+        raise OqError(f"{where}: key 'extends': unknown target {base!r}; built-in targets: "
+                      f"{', '.join(builtin_names())}")
+    parent = _resolve_extends(_read_builtin(base), f"built-in target {base!r}", seen + (base,))
+    return _merge(parent, {k: v for k, v in raw.items() if k != "extends"})
+
+
 def load_target(ref: "str | os.PathLike | Target") -> Target:
     """A built-in target by name, or a TOML file that may `extends` a built-in one."""
     if isinstance(ref, Target):
@@ -109,13 +129,9 @@ def load_target(ref: "str | os.PathLike | Target") -> Target:
         except tomllib.TOMLDecodeError as exc:
             raise OqError(f"{path}: not valid TOML ({exc})") from None
         where = str(path)
-        if "extends" in raw:
-            base = raw["extends"]
-            if not isinstance(base, str):
-                raise OqError(f"{where}: key 'extends': must be the name of a built-in target")
-            raw = _merge(_read_builtin(base), {k: v for k, v in raw.items() if k != "extends"})
-        return parse_target(raw, where)
-    return parse_target(_read_builtin(ref_str), f"built-in target {ref_str!r}")
+    else:
+        raw, where = _read_builtin(ref_str), f"built-in target {ref_str!r}"
+    return parse_target(_resolve_extends(raw, where, (raw.get("name", ""),)), where)
 
 
 def parse_target(raw: dict, where: str) -> Target:
@@ -136,9 +152,7 @@ def parse_target(raw: dict, where: str) -> Target:
                 fail(f"specs.{sname}.{k}", f"unknown key (known: {', '.join(sorted(SPEC_KEYS))})")
         try:
             specs[sname] = QuantSpec(**sraw)
-        except OqError as exc:
-            fail(f"specs.{sname}", str(exc))
-        except TypeError as exc:
+        except (OqError, TypeError) as exc:
             fail(f"specs.{sname}", str(exc))
     act = raw.get("activation_spec", "activation")
     if act not in specs:
@@ -173,7 +187,20 @@ def parse_target(raw: dict, where: str) -> Target:
     bias = raw.get("bias", "float")
     if bias not in BIAS_MODES:
         fail("bias", f"must be one of {', '.join(BIAS_MODES)}")
+    from oq.emit import SIDE_FILES
     from oq.passes.fuse_patterns import PATTERNS as FUSION_PATTERNS
+
+    side_files = list(raw.get("side_files", []))
+    for f in side_files:
+        if f not in SIDE_FILES:
+            fail("side_files", f"unknown side file {f!r} (known: {', '.join(SIDE_FILES)})")
+    opset_min = raw.get("opset_min", 13)
+    if not isinstance(opset_min, int) or not 13 <= opset_min <= 23:
+        fail("opset_min", "must be an integer between 13 and 23")
+    for sname, spec in specs.items():
+        need = DTYPE_MIN_OPSET.get(spec.dtype, 13)
+        if need > opset_min:
+            fail(f"specs.{sname}.dtype", f"{spec.dtype} Q/DQ needs opset >= {need}; set opset_min = {need}")
     fusions = list(raw.get("fusions", []))
     for f in fusions:
         if f not in FUSION_PATTERNS:
@@ -181,4 +208,4 @@ def parse_target(raw: dict, where: str) -> Target:
     return Target(name=raw["name"], description=raw.get("description", ""), specs=specs, ops=ops, fusions=fusions,
                   quantize_fusion_side_inputs=bool(raw.get("quantize_fusion_side_inputs", False)),
                   quantize_graph_outputs=bool(raw.get("quantize_graph_outputs", False)), bias=bias,
-                  opset_min=int(raw.get("opset_min", 13)), activation_spec=act, source=where)
+                  opset_min=opset_min, activation_spec=act, side_files=side_files, source=where)

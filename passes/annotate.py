@@ -109,7 +109,7 @@ class _Planner:
                 wq = self.plan.weights.setdefault(key, WeightQuant(tensor.name, spec, axis))
                 wq.consumers.add((node.name, idx))
             else:
-                if spec.granularity == "per_channel":
+                if is_weight_input(node, idx):
                     spec = self.target.activation  # a weight slot fed at run time (e.g. attention MatMul)
                 self._request(tensor.name, spec, (node.name, idx))
             planned = True

@@ -1,0 +1,160 @@
+"""Targets as data: built-ins, user files that extend them, rejected files, constraints met, side files."""
+import json
+import struct
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import models
+import oq
+from conftest import run_onnx
+from oq.errors import OqError
+from oq.target import builtin_names, load_target
+
+BUILTINS = ("tensorrt", "onnxruntime", "openvino", "qnn", "qnn_w8a16", "vitis")
+
+
+def test_builtin_targets_load_and_describe():
+    assert set(BUILTINS) <= set(builtin_names())
+    for name in BUILTINS:
+        t = load_target(name)
+        assert t.name == name and t.summary()
+        assert "specs:" in t.describe() and "ops:" in t.describe()
+
+
+def write(tmp_path, text, name="t.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def qdq_signature(model):
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    return [(n.op_type, [inits[i].tolist() if i in inits else i for i in n.input]) for n in model.graph.node]
+
+
+def test_file_with_only_name_and_extends_behaves_like_the_builtin(tmp_path, model_paths, calib_files):
+    path = write(tmp_path, 'name = "my_trt"\nextends = "tensorrt"\n')
+    mine, builtin = load_target(path), load_target("tensorrt")
+    assert mine.name == "my_trt" and mine.specs == builtin.specs and mine.ops == builtin.ops
+    a = oq.quantize(model_paths["resnet_mini"], path, calib_files["resnet_mini"][0], progress=False)
+    b = oq.quantize(model_paths["resnet_mini"], "tensorrt", calib_files["resnet_mini"][0], progress=False)
+    assert qdq_signature(a.model) == qdq_signature(b.model)
+
+
+def test_file_overrides_pieces(tmp_path, model_paths, calib_files):
+    path = write(tmp_path, '''
+name = "my_npu"
+extends = "onnxruntime"
+[specs.activation]
+dtype = "int8"
+symmetric = true
+[specs.weight]
+granularity = "per_tensor"
+power_of_two = true
+[ops.Add]
+output = "float"
+''')
+    t = load_target(path)
+    assert t.activation.dtype == "int8" and t.activation.symmetric and t.ops["Add"].output == "float"
+    assert t.ops["Conv"] == load_target("onnxruntime").ops["Conv"]  # untouched pieces inherited
+    result = oq.quantize(model_paths["resnet_mini"], path, calib_files["resnet_mini"][0], progress=False)
+    inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    for n in result.model.graph.node:
+        if n.op_type == "QuantizeLinear":
+            assert inits[n.input[2]].dtype == np.int8 and inits[n.input[2]] == 0
+        if n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].dtype == np.int8:
+            s = inits[n.input[1]]
+            assert s.ndim == 0 and np.log2(s) == np.round(np.log2(s))
+
+
+@pytest.mark.parametrize("text,key,reason", [
+    ('name = "x"\nextends = "tensorrt"\nfoo = 1\n', "foo", "unknown key"),
+    ('name = "x"\nextends = "tensorrt"\n[specs.activation]\nbits = 4\n', "specs.activation.bits", "unknown key"),
+    ('name = "x"\nextends = "tensorrt"\n[specs.activation]\nsymmetric = false\nzero_point = 0\n', "specs.activation",
+     "asymmetric spec cannot fix the zero-point"),
+    ('name = "x"\nextends = "tensorrt"\n[ops.Relu]\ninputs = { 0 = "weight" }\n', "ops.Relu.inputs.0",
+     "per-channel spec 'weight' on an input that is not a weight of Relu"),
+    ('name = "x"\nextends = "tensorrt"\n[ops.Conv]\ninputs = { 0 = "nope" }\n', "ops.Conv.inputs.0",
+     "spec 'nope' is not defined"),
+    ('name = "x"\nextends = "tensorrt"\n[ops.Conv]\noutput = "sometimes"\n', "ops.Conv.output", "must be one of"),
+    ('name = "x"\nextends = "tensorrt"\nfusions = ["conv_magic"]\n', "fusions", "unknown fusion pattern 'conv_magic'"),
+    ('name = "x"\nextends = "tensorrt"\n[specs.activation]\ndtype = "int16"\n', "specs.activation.dtype",
+     "needs opset >= 21"),
+    ('name = "x"\nextends = "tensorrt"\n[specs.activation]\ndtype = "int3"\n', "specs.activation",
+     "unsupported quantization dtype 'int3'"),
+    ('name = "x"\nextends = "tensorrt"\n[specs.weight]\nquant_min = 5\nquant_max = 2\n', "specs.weight",
+     "must be an increasing range"),
+    ('name = "x"\nextends = "nosuch"\n', None, "unknown target 'nosuch'"),
+    ('name = "x"\nextends = "tensorrt"\n[specs.activation]\ngranularity = "per_channel"\n',
+     "specs.activation.granularity", "activations are quantized per tensor"),
+    ('name = [1', None, "not valid TOML"),
+])
+def test_bad_target_files_are_rejected_with_file_key_and_reason(tmp_path, text, key, reason):
+    path = write(tmp_path, text)
+    with pytest.raises(OqError) as err:
+        load_target(path)
+    msg = str(err.value)
+    assert str(path) in msg and reason in msg, msg
+    if key:
+        assert f"key '{key}'" in msg, msg
+
+
+def check_constraints(model, target):
+    """Walk every Q/DQ pair: dtypes, zero-points and scales as the target's specs demand."""
+    t = load_target(target)
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    act, wspecs = t.activation, [s for s in t.specs.values() if s is not t.activation]
+    for n in model.graph.node:
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear"):
+            continue
+        scale, zp = inits[n.input[1]], inits[n.input[2]]
+        assert np.all(np.isfinite(scale)) and np.all(scale > 0), n.name
+        is_weight = n.op_type == "DequantizeLinear" and n.input[0] in inits
+        if is_weight and zp.dtype == np.int32:
+            assert t.bias == "int32" and not zp.any()  # bias
+            continue
+        spec = act if not is_weight else next((s for s in wspecs if s.np_dtype == zp.dtype), act)
+        assert zp.dtype == spec.np_dtype, (n.name, zp.dtype, spec.dtype)
+        qmin, qmax = spec.qrange
+        if spec.symmetric:
+            center = 0 if spec.signed else (qmin + qmax + 1) // 2
+            assert np.all(zp == center), n.name
+        if is_weight:
+            q = inits[n.input[0]]
+            assert q.min() >= qmin and q.max() <= qmax, n.name
+            per_channel = scale.ndim == 1
+            assert per_channel == (spec.granularity == "per_channel" and q.ndim > 1) or q.ndim <= 1, n.name
+        else:
+            assert scale.ndim == 0, "activations per tensor"
+        if spec.power_of_two:
+            np.testing.assert_array_equal(np.log2(scale), np.round(np.log2(scale)))
+
+
+@pytest.mark.parametrize("target", BUILTINS)
+@pytest.mark.parametrize("name", models.REFERENCE_MODELS)
+def test_every_target_meets_its_constraints(name, target, model_paths, calib_files):
+    result = oq.quantize(model_paths[name], target, calib_files[name][0], progress=False)
+    onnx.checker.check_model(result.model, full_check=True)
+    check_constraints(result.model, target)
+    _, held_out = calib_files[name]
+    assert np.isfinite(run_onnx(result.model, held_out)).all()
+
+
+def test_tensorrt_side_files(tmp_path, model_paths, calib_files):
+    result = oq.quantize(model_paths["resnet_mini"], "tensorrt", calib_files["resnet_mini"][0], progress=False)
+    out = result.save(tmp_path / "m.trt.onnx")
+    cache = (tmp_path / "m.trt.calib.cache").read_text().splitlines()
+    ranges = json.loads((tmp_path / "m.trt.ranges.json").read_text())
+    assert cache[0].startswith("TRT-") and cache[0].endswith("EntropyCalibration2")
+    inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    q_scale = {n.input[0]: float(inits[n.input[1]]) for n in result.model.graph.node if n.op_type == "QuantizeLinear"}
+    entries = dict(line.split(": ") for line in cache[1:])
+    assert set(entries) == set(q_scale) == set(ranges)
+    for name, hexval in entries.items():
+        scale = struct.unpack(">f", bytes.fromhex(hexval))[0]
+        assert scale == pytest.approx(q_scale[name], rel=1e-6)
+        assert ranges[name] == pytest.approx(q_scale[name] * 127, rel=1e-6)
+    assert str(tmp_path / "m.trt.calib.cache") in result.report.side_files and out.exists()

@@ -145,14 +145,39 @@ def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
     return ((q.astype(np.float32) - zp.astype(np.float32)) * scale).astype(np.float32)
 
 
+# Clipping factors tried by the MSE weight search, relative to each channel's min/max.
+WEIGHT_MSE_FACTORS = np.linspace(0.5, 1.0, 26)
+
+
+def _mse_clip(w2d: np.ndarray, lo: np.ndarray, hi: np.ndarray, spec: QuantSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of w2d, the shrink of [lo, hi] whose quantization error (rounding + clipping) is smallest."""
+    best_err = np.full(w2d.shape[0], np.inf)
+    best = np.ones(w2d.shape[0])
+    for f in WEIGHT_MSE_FACTORS:
+        qp = qparams_from_range(lo * f, hi * f, spec, axis=0)
+        err = ((w2d - dequantize_array(quantize_array(w2d, qp), qp)) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best = np.where(better, f, best)
+    return lo * best, hi * best
+
+
 def weight_qparams(w: np.ndarray, spec: QuantSpec, axis: int | None) -> QParams:
-    """Min/max qparams of a constant, per channel along `axis` when the spec asks for it."""
+    """Qparams of a constant, per channel along `axis` when the spec asks for it. The spec's observer picks the
+    range: "minmax" (default) or "mse" (clip each channel where the quantization error is smallest)."""
     w = np.asarray(w, dtype=np.float32)
-    if spec.granularity == "per_channel" and axis is not None and w.ndim > 0:
-        axis = axis % w.ndim
-        reduce = tuple(i for i in range(w.ndim) if i != axis)
-        lo, hi = (w.min(axis=reduce), w.max(axis=reduce)) if w.size else (np.zeros(w.shape[axis]),) * 2
-        return qparams_from_range(lo, hi, spec, axis)
+    per_channel = spec.granularity == "per_channel" and axis is not None and w.ndim > 0
     if w.size == 0:
-        return qparams_from_range(0.0, 0.0, spec)
-    return qparams_from_range(w.min(), w.max(), spec)
+        n = w.shape[axis] if per_channel else None
+        return qparams_from_range(np.zeros(n) if n else 0.0, np.zeros(n) if n else 0.0, spec, axis if n else None)
+    if per_channel:
+        axis = axis % w.ndim
+        w2d = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
+    else:
+        w2d = w.reshape(1, -1)
+    lo, hi = w2d.min(axis=1).astype(np.float64), w2d.max(axis=1).astype(np.float64)
+    if spec.observer == "mse":
+        lo, hi = _mse_clip(w2d, lo, hi, spec)
+    if per_channel:
+        return qparams_from_range(lo, hi, spec, axis)
+    return qparams_from_range(lo[0], hi[0], spec)

@@ -93,6 +93,29 @@ def _rename_anonymous_initializers(model) -> None:
         init.name = new
 
 
+def _materialise_shared_initializers(model) -> None:
+    """Replace ``Identity(initializer)`` nodes by a copy of the initializer.
+
+    The TorchScript exporter deduplicates parameters with identical values and
+    feeds the duplicates through Identity nodes.  Training produces such
+    twins: the two BatchNorm betas that feed the same residual Add always
+    receive the same gradient, so from the same (zero) init they stay equal.
+    Each consumer gets its own initializer again, as in the torch model.
+    """
+    import onnx
+
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    for node in list(graph.node):
+        if node.op_type == "Identity" and node.input[0] in inits and node.output[0] not in outputs:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(inits[node.input[0]])
+            copy.name = node.output[0]
+            graph.initializer.append(copy)
+            graph.node.remove(node)
+
+
 def export_model(name: str):
     """Export reference model ``name`` and return the checked ``onnx.ModelProto``."""
     import onnx
@@ -122,6 +145,7 @@ def export_model(name: str):
             do_constant_folding=True,
         )
     proto = onnx.load_from_string(buf.getvalue())
+    _materialise_shared_initializers(proto)
     _rename_anonymous_initializers(proto)
     proto.graph.name = name
     proto.doc_string = f"oq reference model {name!r}: {spec.description}"

@@ -6,9 +6,14 @@ data is bit-identical across processes and platforms.  Distribution-level
 constants (embedding table, feature mixing matrix, per-channel scales) come
 from fixed generators, so every seed samples the *same* distribution:
 calibrate with seed 0, evaluate on seed 1.
+
+``make_labelled`` pairs the same inputs with the targets of the synthetic
+tasks the reference models are trained on (see ``zoo.py``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 
@@ -26,11 +31,14 @@ def _rng(seed: int, i: int, salt: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), int(i), int(salt)])
 
 
+@functools.cache
 def _interp_matrix(n_out: int, n_in: int) -> np.ndarray:
-    """Bilinear (align_corners=True) 1-D interpolation matrix [n_out, n_in]."""
+    """Bilinear (align_corners=True) 1-D interpolation matrix [n_out, n_in] (cached, read-only)."""
     pos = np.linspace(0.0, n_in - 1, n_out)
     eye = np.eye(n_in)
-    return np.stack([np.interp(pos, np.arange(n_in), eye[:, j]) for j in range(n_in)], axis=1)
+    m = np.stack([np.interp(pos, np.arange(n_in), eye[:, j]) for j in range(n_in)], axis=1)
+    m.setflags(write=False)
+    return m
 
 
 def _upsample(field: np.ndarray, size: int) -> np.ndarray:
@@ -42,8 +50,8 @@ def _upsample(field: np.ndarray, size: int) -> np.ndarray:
 # --------------------------------------------------------------------- images
 
 
-def _image(rng: np.random.Generator, size: int = 32) -> np.ndarray:
-    """One natural-looking RGB image [3, size, size], ImageNet-normalised."""
+def _image(rng: np.random.Generator, size: int = 32) -> tuple[np.ndarray, dict]:
+    """One natural-looking RGB image [3, size, size], ImageNet-normalised, and its latent parameters."""
     # luminance: strong low-frequency structure + some mid frequencies
     lum = 0.22 * _upsample(rng.standard_normal((4, 4)), size)
     lum += 0.08 * _upsample(rng.standard_normal((8, 8)), size)
@@ -51,6 +59,7 @@ def _image(rng: np.random.Generator, size: int = 32) -> np.ndarray:
     tint = rng.normal(0.0, 0.07, size=(3, 1, 1))
     chroma = 0.06 * _upsample(rng.standard_normal((3, 3, 3)), size)
     img = 0.45 + rng.normal(0.0, 0.08) + lum[None] + tint + chroma
+    params: dict = {"object": False}
     # an object: a filled ellipse with its own colour (gives sharp edges)
     if rng.random() < 0.7:
         yy, xx = np.mgrid[0:size, 0:size] / (size - 1)
@@ -59,10 +68,12 @@ def _image(rng: np.random.Generator, size: int = 32) -> np.ndarray:
         mask = ((yy - cy) / ry) ** 2 + ((xx - cx) / rx) ** 2 <= 1.0
         colour = rng.uniform(0.0, 1.0, size=(3, 1, 1))
         img = np.where(mask[None], 0.6 * colour + 0.4 * img, img)
+        params = {"object": True, "centre": (cy, cx), "radii": (ry, rx), "colour": colour.ravel(),
+                  "area": float(mask.mean())}
     # sensor noise, then quantise to 8-bit pixel values like a decoded JPEG/PNG
     img = img + rng.normal(0.0, 0.02, size=img.shape)
     img = np.round(np.clip(img, 0.0, 1.0) * 255.0) / 255.0
-    return (img - IMAGENET_MEAN[:, None, None]) / IMAGENET_STD[:, None, None]
+    return (img - IMAGENET_MEAN[:, None, None]) / IMAGENET_STD[:, None, None], params
 
 
 # --------------------------------------------------------------------- latent
@@ -133,13 +144,19 @@ _KIND = {
 }
 
 
-def make_inputs(name: str, n: int, seed: int = 0, *, seq_len: int | None = None) -> dict[str, np.ndarray]:
-    """``n`` input samples for reference model ``name``, stacked on axis 0.
+def _sample(kind: str, seed: int, i: int, seq: int) -> tuple[np.ndarray, dict | None]:
+    """Sample ``i`` of ``seed`` and, for images, the latent parameters it was drawn from."""
+    rng = _rng(seed, i, _SALT[kind])
+    if kind == "image":
+        return _image(rng)
+    if kind == "latent":
+        return _latent(rng), None
+    if kind == "tabular":
+        return _tabular(rng), None
+    return _tokens(rng, seq), None
 
-    Returns ``{onnx_input_name: float32 array}``.  Deterministic in ``seed``;
-    different seeds give different samples of the same distribution.
-    ``seq_len`` (transformer only, default 16) sets the sequence length.
-    """
+
+def _draw(name: str, n: int, seed: int, seq_len: int | None) -> tuple[np.ndarray, list]:
     spec = get_spec(name)
     kind = _KIND[name]
     if n < 0:
@@ -147,18 +164,100 @@ def make_inputs(name: str, n: int, seed: int = 0, *, seq_len: int | None = None)
     if seq_len is not None and kind != "tokens":
         raise ValueError(f"seq_len only applies to the transformer, not {name!r}")
     seq = DEFAULT_SEQ_LEN if seq_len is None else int(seq_len)
-    samples = []
-    for i in range(n):
-        rng = _rng(seed, i, _SALT[kind])
-        if kind == "image":
-            samples.append(_image(rng))
-        elif kind == "latent":
-            samples.append(_latent(rng))
-        elif kind == "tabular":
-            samples.append(_tabular(rng))
-        else:
-            samples.append(_tokens(rng, seq))
+    drawn = [_sample(kind, seed, i, seq) for i in range(n)]
     shape = tuple(seq if d == "seq" else d for d in spec.inputs[spec.input_name][1:])
-    x = np.stack(samples).astype(np.float32) if samples else np.zeros((0, *shape), np.float32)
+    x = np.stack([d[0] for d in drawn]).astype(np.float32) if drawn else np.zeros((0, *shape), np.float32)
     assert x.shape[1:] == shape, (x.shape, shape)
-    return {spec.input_name: x}
+    return x, [d[1] for d in drawn]
+
+
+def make_inputs(name: str, n: int, seed: int = 0, *, seq_len: int | None = None) -> dict[str, np.ndarray]:
+    """``n`` input samples for reference model ``name``, stacked on axis 0.
+
+    Returns ``{onnx_input_name: float32 array}``.  Deterministic in ``seed``;
+    different seeds give different samples of the same distribution.
+    ``seq_len`` (transformer only, default 16) sets the sequence length.
+    """
+    x, _ = _draw(name, n, seed, seq_len)
+    return {get_spec(name).input_name: x}
+
+
+# ------------------------------------------------------------ labelled data
+#
+# Synthetic supervised tasks the reference models are trained on (see zoo.py).
+# Each target is a fixed, deterministic function of the sample (or of the
+# latent parameters it was drawn from), so the tasks are learnable but not
+# trivial.
+
+N_CLASSES = 10
+_TASK_CONST = np.random.default_rng(20_601)
+# mlp teacher: a fixed random 2-layer tanh network on the de-scaled features
+_TEACHER_W1 = _TASK_CONST.normal(0.0, 1.5 / np.sqrt(64), size=(64, 32))
+_TEACHER_B1 = _TASK_CONST.normal(0.0, 0.3, size=32)
+_TEACHER_W2 = _TASK_CONST.normal(0.0, 1.0 / np.sqrt(32), size=(32, N_CLASSES))
+# decoder target: a fixed random per-pixel linear map of the latent, upsampled, tanh
+_DEC_MAP = _TASK_CONST.normal(0.0, 1.0 / np.sqrt(16), size=(3, 16))
+_DEC_BIAS = _TASK_CONST.normal(0.0, 0.2, size=(3, 1, 1))
+# transformer target: token + fixed linear map of the mean of the tokens in a window
+ATTN_WINDOW = 2  # positions i-2 .. i+2 (clipped at the sequence ends)
+_TOK_MAP = _TASK_CONST.normal(0.0, 1.0 / np.sqrt(D_MODEL), size=(D_MODEL, D_MODEL))
+# image classes: terciles of the visible object area (fraction of the image)
+_AREA_BINS = (0.105, 0.17)
+
+
+def _image_label(params: dict) -> int:
+    """0: no object; else 1 + 3 * size bin + the object's dominant colour channel."""
+    if not params["object"]:
+        return 0
+    size_bin = int(np.searchsorted(_AREA_BINS, params["area"]))
+    return 1 + 3 * size_bin + int(np.argmax(params["colour"]))
+
+
+def _teacher_logits(x: np.ndarray) -> np.ndarray:
+    z = (x.astype(np.float64) - _TAB_SHIFT) / _TAB_SCALE
+    return np.tanh(z @ _TEACHER_W1 + _TEACHER_B1) @ _TEACHER_W2
+
+
+@functools.cache
+def _teacher_centre() -> np.ndarray:
+    """Per-class mean teacher logit over the feature distribution (keeps the classes balanced)."""
+    x, _ = _draw("mlp", 2048, 20_602, None)
+    return _teacher_logits(x).mean(axis=0)
+
+
+def _mlp_labels(x: np.ndarray) -> np.ndarray:
+    return np.argmax(_teacher_logits(x) - _teacher_centre(), axis=1)
+
+
+def _decoder_targets(z: np.ndarray) -> np.ndarray:
+    u = np.einsum("ck,nkhw->nchw", _DEC_MAP, (z.astype(np.float64) - _LATENT_SHIFT) / _LATENT_SCALE)
+    return 2.0 * np.tanh(0.8 * _upsample(u, 32) + _DEC_BIAS)
+
+
+def _transformer_targets(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    seq = x.shape[1]
+    idx = np.arange(seq)
+    window = (np.abs(idx[:, None] - idx[None, :]) <= ATTN_WINDOW).astype(np.float64)
+    window /= window.sum(axis=1, keepdims=True)
+    return x + np.einsum("ij,njd->nid", window, x) @ _TOK_MAP
+
+
+def make_labelled(name: str, n: int, seed: int = 0, *, seq_len: int | None = None) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """``(make_inputs(name, n, seed), targets)`` for model ``name``'s training task.
+
+    Classifiers (``resnet_mini``, ``mobilenet_mini``, ``mlp``) get int64 class
+    labels [n] in ``0..9``; ``decoder`` a float32 target image [n, 3, 32, 32];
+    ``transformer`` a float32 target sequence [n, seq, 64].
+    """
+    x, params = _draw(name, n, seed, seq_len)
+    kind = _KIND[name]
+    if kind == "image":
+        y = np.array([_image_label(p) for p in params], dtype=np.int64)
+    elif kind == "tabular":
+        y = _mlp_labels(x).astype(np.int64)
+    elif kind == "latent":
+        y = _decoder_targets(x).astype(np.float32)
+    else:
+        y = _transformer_targets(x).astype(np.float32)
+    return {get_spec(name).input_name: x}, y

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import onnx
 
-from . import ir
+from . import fakequant, ir
 from .data import CalibrationData, RandomSource, model_inputs, open_calibration
 from .errors import OqError
 from .passmanager import Context, FixedPoint, PassManager
 from .report import NodeRecord, Report
-from .target import Target, load_target
+from .target import Target, load_target, with_bits
 
 
 @dataclass
@@ -25,6 +25,10 @@ class Options:
     preprocess: str | None = None
     max_memory_mb: float | None = None
     percentile: float | None = None
+    overrides: list[str] = field(default_factory=list)
+    # deployment CPU for targets whose kernels depend on it (onnxruntime: u8 x s8 pair saturation without VNNI):
+    # auto (this machine), vnni, avx2, avx512 (without VNNI), arm64. See oq/passes/saturation.py.
+    cpu: str = "auto"
 
 
 @dataclass
@@ -70,10 +74,12 @@ def quantize_passes(data: CalibrationData, options: Options):
     from .passes.finalize import Finalize
     from .passes.fuse_patterns import FusePatterns
     from .passes.insert_qdq import InsertQDQ
+    from .passes.saturation import GuardSaturation
 
     return [FusePatterns(), Annotate(),
             Calibrate(data, options.batch_size, options.calib_method, options.progress, options.max_memory_mb,
                       {"percentile": options.percentile} if options.percentile is not None else {}),
+            GuardSaturation(data, options.cpu, options.batch_size),
             InsertQDQ(), Finalize()]
 
 
@@ -92,21 +98,33 @@ def prepare(model) -> Context:
 
 
 def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_size: int = 16,
-             calib_size: int | None = None, calib_method: str | None = None, exclude=(), progress: bool = True,
+             calib_size: int | None = None, calib_method: str | None = None, exclude=(), overrides=(),
+             weight_bits: int | None = None, act_bits: int | None = None,
+             progress: bool = True,
              preprocess: str | None = None, max_memory_mb: float | None = None, percentile: float | None = None,
-             output: "str | os.PathLike | None" = None) -> QuantResult:
+             cpu: str = "auto", output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
     calib: an .npz of stacked samples keyed by input name; a folder of .npz feeds (one complete feed each, shapes
     may vary) or of images (with `preprocess`, see oq.preprocess); "module:function" or a Python callable returning
     an iterable of feed dicts; "random" (noise, only on explicit request: the report warns); or a CalibrationData.
+    weight_bits/act_bits: narrow the target's integer grids to N bits (2..16; beyond 8 bits needs 16-bit Q/DQ, or the
+    academic target's FakeQuant). exclude: node names, op types or regexes kept in float. overrides: "NODE_OR_OP=[weight.|activation.]key:value"
+    entries changing the spec on matching nodes (see oq.overrides); ones the target can't honour are reported.
+    cpu: the deployment CPU (auto, vnni, avx2, avx512, arm64); for the onnxruntime target a CPU without VNNI gets
+    the weight channels whose int16 product pairs saturate re-quantized (a model made for avx2 is safe everywhere).
     Returns QuantResult(model, report, target); with `output`, the model is also written there atomically.
     """
     options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess, max_memory_mb,
-                      percentile)
+                      percentile, list(overrides), cpu=cpu)
     if batch_size < 1:
         raise OqError(f"batch size must be >= 1, got {batch_size}")
+    from .saturation import CPU_CHOICES
+    if cpu not in CPU_CHOICES:
+        raise OqError(f"unknown cpu {cpu!r}; choose from {', '.join(CPU_CHOICES)}")
     tgt = load_target(target)
+    if weight_bits is not None or act_bits is not None:
+        tgt = with_bits(tgt, weight_bits, act_bits)
     proto, name = _load(model)
     if calib is None:
         raise OqError("no calibration data given: pass an .npz, a folder of .npz feeds or images, "
@@ -124,6 +142,7 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     for node_name, (quantized, reason) in ctx.plan.status.items():
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
     result_model = ir.to_model(ctx.graph, template=template)
+    fakequant.attach(result_model)
     if ir.model_size(result_model) < ir.EXTERNAL_DATA_THRESHOLD:
         try:
             onnx.checker.check_model(result_model, full_check=True)

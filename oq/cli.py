@@ -31,6 +31,15 @@ def _parser() -> argparse.ArgumentParser:
                      help="bound on observed activations held per batch; more passes over the data if needed")
     run.add_argument("--exclude", action="append", default=[],
                      help="keep nodes in float: node name, op type or regex over node names (repeatable)")
+    run.add_argument("--weight-bits", type=int, metavar="N", help="N-bit weights (2..16)")
+    run.add_argument("--act-bits", type=int, metavar="N", help="N-bit activations (2..16)")
+    run.add_argument("--override", action="append", default=[], metavar="NODE_OR_OP=SPEC",
+                     help="change the spec on some nodes, e.g. Conv=weight.granularity:per_tensor or "
+                          "head=dtype:uint8,symmetric:false (repeatable)")
+    run.add_argument("--cpu", choices=["auto", "vnni", "avx2", "avx512", "arm64"], default="auto",
+                     help="deployment CPU for the onnxruntime target: without VNNI (avx2, avx512) weight channels "
+                          "whose int16 product pairs saturate get coarser scales (down to 7 bits); a model made for "
+                          "avx2 is safe everywhere (default: auto, this machine)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
 
     tg = sub.add_parser("targets", help="list built-in targets, or show one")
@@ -39,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
 
     ins = sub.add_parser("inspect", help="summarise a model: ops, inputs/outputs, opset, quantized nodes")
     ins.add_argument("model")
+    ins.add_argument("--saturation", action="store_true",
+                     help="u8 x s8 int16 pair saturation per layer (onnxruntime on x86 without VNNI): analytic worst "
+                          "case, or emulated on --calib data")
+    ins.add_argument("--calib", help="with --saturation: .npz (or folder) of inputs to emulate the layers on")
     return p
 
 
@@ -48,14 +61,18 @@ def _run(args) -> int:
     if Path(args.output).resolve() == Path(args.model).resolve():
         raise OqError("output path is the input model; oq never overwrites its input")
     result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
-                      calib_method=args.calib_method, exclude=args.exclude, progress=not args.quiet,
+                      calib_method=args.calib_method, exclude=args.exclude, overrides=args.override,
+                      weight_bits=args.weight_bits, act_bits=args.act_bits,
+                      progress=not args.quiet,
                       preprocess=args.preprocess, max_memory_mb=args.max_memory,
-                      percentile=args.percentile)
+                      percentile=args.percentile, cpu=args.cpu)
     result.save(args.output)
     if args.report:
         from .ir import write_atomic
 
         write_atomic(Path(args.report), result.report.to_json().encode())
+    for warning in result.report.warnings:
+        print(f"oq: warning: {warning}", file=sys.stderr)
     if not args.quiet:
         print(result.report.format_table())
         print(f"\nwrote {args.output}")
@@ -79,7 +96,21 @@ def _inspect(args) -> int:
     from .inspect import describe
     from .ir import load_model
 
-    print(describe(load_model(args.model), args.model))
+    model = load_model(args.model)
+    if args.calib and not args.saturation:
+        raise OqError("--calib is used with --saturation")
+    if args.saturation:
+        from .data import model_inputs, open_calibration
+        from .saturation import inspect_saturation
+
+        feeds = None
+        if args.calib:
+            data = open_calibration(args.calib, model_inputs(model), 32)
+            feeds = [feed for _, feed in data.batches(16)]
+        print(f"model {args.model}")
+        print(inspect_saturation(model, feeds))
+        return 0
+    print(describe(model, args.model))
     return 0
 
 

@@ -178,6 +178,20 @@ def weight_qparams(w: np.ndarray, spec: QuantSpec, axis: int | None) -> QParams:
     lo, hi = w2d.min(axis=1).astype(np.float64), w2d.max(axis=1).astype(np.float64)
     if spec.observer == "mse":
         lo, hi = _mse_clip(w2d, lo, hi, spec)
+    qp = qparams_from_range(lo, hi, spec, 0)
+    if spec.power_of_two:
+        qp = _best_power_of_two(w2d, qp)
     if per_channel:
-        return qparams_from_range(lo, hi, spec, axis)
-    return qparams_from_range(lo[0], hi[0], spec)
+        return QParams(qp.scale, qp.zero_point, axis, spec)
+    return QParams(qp.scale[0], qp.zero_point[0], None, spec)
+
+
+def _best_power_of_two(w2d: np.ndarray, qp: QParams) -> QParams:
+    """Power-of-two scales round up (no clipping); halving them doubles the resolution at the cost of clipping the
+    largest values. Per row, keep whichever gives the smaller quantization error."""
+    half = QParams((qp.scale / 2).astype(np.float32), qp.zero_point, 0, qp.spec)
+
+    def err(p):
+        return ((w2d - dequantize_array(quantize_array(w2d, p), p)) ** 2).sum(axis=1)
+    use_half = err(half) < err(qp)
+    return QParams(np.where(use_half, half.scale, qp.scale).astype(np.float32), qp.zero_point, 0, qp.spec)

@@ -19,7 +19,9 @@ except ModuleNotFoundError:  # Python < 3.11
 OUTPUT_MODES = ("float", "quantized", "shared")
 BIAS_MODES = ("float", "int32")
 TOP_KEYS = {"name", "description", "extends", "fusions", "quantize_fusion_side_inputs", "quantize_graph_outputs",
-            "bias", "opset_min", "specs", "ops", "activation_spec", "side_files"}
+            "bias", "opset_min", "specs", "ops", "activation_spec", "side_files", "u8s8_saturation", "format"}
+FORMATS = ("qdq", "fakequant")  # fakequant: oq.FakeQuant model-local functions, any bit width
+SATURATION_MODES = ("ignore", "guard")  # guard: see oq/passes/saturation.py (x86 CPUs without VNNI)
 SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two", "quant_min",
              "quant_max", "min_scale", "zero_point", "rounding"}
 # dtypes that QuantizeLinear/DequantizeLinear accept only from this opset on
@@ -50,6 +52,8 @@ class Target:
     opset_min: int = 13
     activation_spec: str = "activation"
     side_files: list[str] = field(default_factory=list)
+    format: str = "qdq"
+    u8s8_saturation: str = "ignore"
     source: str = "built-in"
 
     def spec(self, name: str) -> QuantSpec:
@@ -75,6 +79,34 @@ class Target:
             ins = ", ".join(f"{k}:{v}" for k, v in r.inputs.items())
             lines.append(f"    {op:<22} inputs[{ins}] output={r.output}" + (f" bias={r.bias}" if r.bias else ""))
         return "\n".join(lines)
+
+
+def with_bits(target: Target, weight_bits: int | None = None, act_bits: int | None = None) -> Target:
+    """The target with its weight and/or activation specs narrowed to N-bit integer grids (2..16 bits), in 8-bit
+    containers up to 8 bits and 16-bit ones beyond."""
+    import dataclasses
+
+    specs = dict(target.specs)
+    for role, bits in (("weight", weight_bits), ("activation", act_bits)):
+        if bits is None:
+            continue
+        if not 2 <= bits <= 16:
+            raise OqError(f"--{'weight' if role == 'weight' else 'act'}-bits must be between 2 and 16, got {bits}")
+        names = [target.activation_spec] if role == "activation" else \
+            [n for n in specs if n != target.activation_spec]
+        for name in names:
+            spec = specs[name]
+            container = ("int" if spec.signed else "uint") + ("8" if bits <= 8 else "16")
+            qmin, qmax = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if spec.signed else (0, 2 ** bits - 1)
+            if spec.narrow_range and spec.signed:
+                qmin += 1
+            specs[name] = spec.with_(dtype=container, quant_min=qmin, quant_max=qmax)
+            need = DTYPE_MIN_OPSET.get(container, 13)
+            if target.format == "qdq" and need > target.opset_min:
+                raise OqError(f"{bits}-bit {role}s need {container} Q/DQ (opset >= {need}) but target {target.name} "
+                              f"emits opset {target.opset_min}; use --target academic (FakeQuant) or a target "
+                              f"with opset_min = {need}")
+    return dataclasses.replace(target, specs=specs)
 
 
 def builtin_names() -> list[str]:
@@ -194,13 +226,19 @@ def parse_target(raw: dict, where: str) -> Target:
     for f in side_files:
         if f not in SIDE_FILES:
             fail("side_files", f"unknown side file {f!r} (known: {', '.join(SIDE_FILES)})")
+    fmt = raw.get("format", "qdq")
+    if fmt not in FORMATS:
+        fail("format", f"must be one of {', '.join(FORMATS)}")
     opset_min = raw.get("opset_min", 13)
     if not isinstance(opset_min, int) or not 13 <= opset_min <= 23:
         fail("opset_min", "must be an integer between 13 and 23")
     for sname, spec in specs.items():
         need = DTYPE_MIN_OPSET.get(spec.dtype, 13)
-        if need > opset_min:
+        if need > opset_min and fmt == "qdq":
             fail(f"specs.{sname}.dtype", f"{spec.dtype} Q/DQ needs opset >= {need}; set opset_min = {need}")
+    saturation = raw.get("u8s8_saturation", "ignore")
+    if saturation not in SATURATION_MODES:
+        fail("u8s8_saturation", f"must be one of {', '.join(SATURATION_MODES)}")
     fusions = list(raw.get("fusions", []))
     for f in fusions:
         if f not in FUSION_PATTERNS:
@@ -208,4 +246,5 @@ def parse_target(raw: dict, where: str) -> Target:
     return Target(name=raw["name"], description=raw.get("description", ""), specs=specs, ops=ops, fusions=fusions,
                   quantize_fusion_side_inputs=bool(raw.get("quantize_fusion_side_inputs", False)),
                   quantize_graph_outputs=bool(raw.get("quantize_graph_outputs", False)), bias=bias,
-                  opset_min=opset_min, activation_spec=act, side_files=side_files, source=where)
+                  opset_min=opset_min, activation_spec=act, side_files=side_files, format=fmt,
+                  u8s8_saturation=saturation, source=where)

@@ -1,28 +1,21 @@
 """Turn the target's per-op rules into a quantization plan: which tensors get Q/DQ, with which spec, shared how."""
 from __future__ import annotations
 
-import re
-
 import onnx_graphsurgeon as gs
 
 from oq import ir
 from oq.opinfo import BIAS_INPUT, is_weight_input, weight_channel_axis
+from oq.overrides import matches, parse_override
+from oq.target import DTYPE_MIN_OPSET
 from oq.passmanager import Context, Pass, PassResult, has_target, unique_node_names
+from oq.opinfo import WEIGHT_INPUT as WEIGHT_OPS
 from oq.plan import ALL_CONSUMERS, ActivationQuant, BiasQuant, QuantPlan, WeightQuant
 from oq.target import Target
 
 
 def excluded(node: gs.Node, patterns: list[str]) -> bool:
     """--exclude entries match a node name, an op type, or (as a regex) a node name."""
-    for p in patterns:
-        if p == node.name or p == node.op:
-            return True
-        try:
-            if re.fullmatch(p, node.name):
-                return True
-        except re.error:
-            continue
-    return False
+    return any(matches(node, p) for p in patterns)
 
 
 class Annotate(Pass):
@@ -32,16 +25,22 @@ class Annotate(Pass):
     def run(self, ctx: Context) -> PassResult:
         target: Target = ctx.target
         exclude = list(getattr(ctx.options, "exclude", None) or [])
-        planner = _Planner(ctx.graph, target, ctx.fusions, exclude)
+        overrides = [o for text in (getattr(ctx.options, "overrides", None) or []) for o in parse_override(text)]
+        planner = _Planner(ctx.graph, target, ctx.fusions, exclude, overrides)
         ctx.plan = planner.build()
+        if ctx.report is not None:
+            ctx.report.warnings.extend(planner.warnings)
         n_q = sum(1 for q, _ in ctx.plan.status.values() if q)
         return PassResult(False, [f"{n_q} nodes to quantize, {len(ctx.plan.activations)} activation and "
                                   f"{len(ctx.plan.weights)} weight Q/DQ planned"])
 
 
 class _Planner:
-    def __init__(self, graph: gs.Graph, target: Target, fusions, exclude: list[str]):
+    def __init__(self, graph: gs.Graph, target: Target, fusions, exclude: list[str], overrides=()):
         self.graph, self.target, self.exclude = graph, target, exclude
+        self.overrides = list(overrides)
+        self.warnings: list[str] = []
+        self._used_overrides: set[str] = set()
         self.uses = ir.UseIndex(graph)
         self.plan = QuantPlan()
         self.fused_into: dict[str, object] = {}
@@ -71,6 +70,9 @@ class _Planner:
                 self._request_output(out)
         self._propagate_shared()
         self._plan_biases()
+        for o in self.overrides:
+            if o.text not in self._used_overrides:
+                self.warnings.append(f"--override {o.text}: matches no quantized node")
         for name, group in self.fused_into.items():
             anchor_q = status[group.anchor.name][0]
             status[name] = (anchor_q, f"fused into {group.anchor.name} ({group.pattern})"
@@ -99,6 +101,9 @@ class _Planner:
             value = ir.constant_value(tensor)
             if (value is not None and value.dtype.kind != "f") or (value is None and not ir.is_float(tensor)):
                 continue
+            if value is None and is_weight_input(node, idx):
+                spec = self.target.activation  # a weight slot fed at run time (e.g. attention MatMul)
+            spec = self._overridden(node, "weight" if value is not None else "activation", spec)
             if value is not None:
                 axis = None
                 if spec.granularity == "per_channel" and is_weight_input(node, idx):
@@ -109,11 +114,29 @@ class _Planner:
                 wq = self.plan.weights.setdefault(key, WeightQuant(tensor.name, spec, axis))
                 wq.consumers.add((node.name, idx))
             else:
-                if is_weight_input(node, idx):
-                    spec = self.target.activation  # a weight slot fed at run time (e.g. attention MatMul)
                 self._request(tensor.name, spec, (node.name, idx))
             planned = True
         return planned
+
+    def _overridden(self, node: gs.Node, role: str, spec):
+        """The spec after the --override entries for this node and role; an entry the target cannot honour is
+        skipped and reported."""
+        for o in self.overrides:
+            if not o.applies(node, role):
+                continue
+            self._used_overrides.add(o.text)
+            new = o.apply(spec)
+            need = DTYPE_MIN_OPSET.get(new.dtype, 13)
+            if need > self.target.opset_min:
+                self.warnings.append(f"--override {o.text} not honoured at {node.name}: {new.dtype} Q/DQ needs "
+                                     f"opset >= {need}, target {self.target.name} emits opset {self.target.opset_min}")
+                continue
+            if new.granularity == "per_channel" and not (role == "weight" and node.op in WEIGHT_OPS):
+                self.warnings.append(f"--override {o.text} not honoured at {node.name}: per-channel needs a weight "
+                                     f"input of Conv/ConvTranspose/Gemm/MatMul")
+                continue
+            spec = new
+        return spec
 
     def _plan_side_inputs(self, group) -> None:
         if not self.target.quantize_fusion_side_inputs:
@@ -125,6 +148,9 @@ class _Planner:
 
     def _request(self, tensor: str, spec, consumer) -> ActivationQuant:
         aq = self.plan.activations.get(tensor)
+        if aq is not None and aq.spec != spec:
+            self.warnings.append(f"tensor '{tensor}' is read with different specs ({aq.spec.dtype} and {spec.dtype}); "
+                                 f"one Q/DQ can carry only one, kept {aq.spec.dtype}")
         if aq is None:
             aq = self.plan.activations[tensor] = ActivationQuant(tensor, spec, set())
             self.plan.shared.find(tensor)

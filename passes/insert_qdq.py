@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from oq import ir
+from oq import fakequant, ir
 from oq.errors import OqError
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS
@@ -25,6 +25,29 @@ def _dq_node(namer, base: str, q_input: gs.Tensor, scale, zp, axis, shape, out_d
     return gs.Node("DequantizeLinear", namer(f"{base}_DequantizeLinear"), attrs, [q_input, scale, zp], [out]), out
 
 
+def _broadcast_shape(qp: QParams, rank: int) -> list[int] | None:
+    if qp.axis is None or np.ndim(qp.scale) == 0:
+        return None
+    shape = [1] * rank
+    shape[qp.axis % rank] = -1
+    return shape
+
+
+def _fake_quant(namer, base: str, x: gs.Tensor, qp: QParams, rank: int, shape, dtype):
+    """oq.FakeQuant node on x (see oq.fakequant) with qparams shaped to broadcast per channel."""
+    bshape = _broadcast_shape(qp, rank)
+    scale = np.asarray(qp.scale, np.float32)
+    zp = np.asarray(qp.zero_point, np.float32)
+    if bshape is not None:
+        scale, zp = scale.reshape(bshape), zp.reshape(bshape)
+    qmin, qmax = qp.spec.qrange
+    consts = [gs.Constant(namer(f"{base}_{k}"), np.asarray(v, np.float32))
+              for k, v in (("scale", scale), ("zero_point", zp), ("qmin", qmin), ("qmax", qmax))]
+    out = gs.Variable(namer(f"{base}_fq"), dtype=dtype, shape=shape)
+    node = gs.Node(fakequant.NAME, namer(f"{base}_FakeQuant"), {}, [x, *consts], [out], domain=fakequant.DOMAIN)
+    return [node], out
+
+
 class InsertQDQ(Pass):
     name = "insert-qdq"
     requires = (has_plan,)
@@ -37,8 +60,16 @@ class InsertQDQ(Pass):
         new_nodes: list[gs.Node] = []
         notes: list[str] = []
 
+        fake = getattr(ctx.target, "format", "qdq") == "fakequant"
         for key, wq in plan.weights.items():
             value = ir.constant_value(tensors[wq.tensor])
+            if fake:
+                fq, out = _fake_quant(namer, wq.tensor, tensors[wq.tensor], wq.qparams, value.ndim,
+                                      list(value.shape), value.dtype)
+                new_nodes += fq
+                for node_name, idx in wq.consumers:
+                    nodes[node_name].inputs[idx] = out
+                continue
             q = gs.Constant(namer(f"{wq.tensor}_quantized"), quantize_array(value.astype(np.float32), wq.qparams))
             scale, zp = _qparam_constants(namer, wq.tensor, wq.qparams)
             dq, out = _dq_node(namer, wq.tensor, q, scale, zp, wq.axis, list(value.shape), value.dtype)
@@ -72,11 +103,16 @@ class InsertQDQ(Pass):
             consumers = [(c, i) for c in list(tensor.outputs) for i, t in enumerate(c.inputs) if t is tensor]
             if aq.consumers is not ALL_CONSUMERS:
                 consumers = [(c, i) for c, i in consumers if (c.name, i) in aq.consumers]
-            scale, zp = _qparam_constants(namer, name, aq.qparams)
-            q_out = gs.Variable(namer(f"{name}_q"), dtype=aq.qparams.zero_point.dtype, shape=tensor.shape)
-            new_nodes.append(gs.Node("QuantizeLinear", namer(f"{name}_QuantizeLinear"), {}, [tensor, scale, zp], [q_out]))
-            dq, dq_out = _dq_node(namer, name, q_out, scale, zp, None, tensor.shape, tensor.dtype or np.float32)
-            new_nodes.append(dq)
+            if fake:
+                fq, dq_out = _fake_quant(namer, name, tensor, aq.qparams, 0, tensor.shape, tensor.dtype or np.float32)
+                new_nodes += fq
+            else:
+                scale, zp = _qparam_constants(namer, name, aq.qparams)
+                q_out = gs.Variable(namer(f"{name}_q"), dtype=aq.qparams.zero_point.dtype, shape=tensor.shape)
+                new_nodes.append(gs.Node("QuantizeLinear", namer(f"{name}_QuantizeLinear"), {}, [tensor, scale, zp],
+                                         [q_out]))
+                dq, dq_out = _dq_node(namer, name, q_out, scale, zp, None, tensor.shape, tensor.dtype or np.float32)
+                new_nodes.append(dq)
             for c, i in consumers:
                 c.inputs[i] = dq_out
             if aq.consumers is ALL_CONSUMERS and name in graph_outputs:

@@ -49,14 +49,16 @@ class Graph:
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("name", models.REFERENCE_MODELS)
-def test_output_is_valid_standard_onnx(name, target, quantized, calib_files):
+def test_output_is_valid_and_accurate(name, target, quantized, calib_files):
     result = quantized(name, target)
     onnx.checker.check_model(result.model, full_check=True)
     ops = {n.op_type for n in result.model.graph.node}
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops
     assert all(n.domain in ("", "ai.onnx") for n in result.model.graph.node), "no custom ops in deployable output"
     _, held_out = calib_files[name]
-    assert run_onnx(result.model, held_out).shape == run_onnx(models.build(name), held_out).shape
+    ref = run_onnx(models.build(name), held_out)
+    got = run_onnx(result.model, held_out)
+    assert sqnr_db(ref, got) >= MIN_SQNR_DB, f"{name}/{target}: {sqnr_db(ref, got):.1f} dB"
 
 
 @pytest.mark.parametrize("name", models.REFERENCE_MODELS)

@@ -13,7 +13,10 @@ from conftest import run_onnx
 from oq.errors import OqError
 from oq.target import builtin_names, load_target
 
-BUILTINS = ("tensorrt", "onnxruntime", "openvino", "qnn", "qnn_w8a16", "vitis")
+# Power-of-two per-tensor scales everywhere cost Vitis accuracy on the two models whose activations need the
+# finest grids (measured 22-24 dB on decoder, 20 dB on mlp); every other pair reaches 25 dB at 8 bits.
+MIN_SQNR_DB = {("vitis", "decoder"): 21.0, ("vitis", "mlp"): 19.0}
+BUILTINS = ("tensorrt", "onnxruntime", "openvino", "qnn", "qnn_w8a16", "vitis", "academic")
 
 
 def test_builtin_targets_load_and_describe():
@@ -140,7 +143,9 @@ def test_every_target_meets_its_constraints(name, target, model_paths, calib_fil
     onnx.checker.check_model(result.model, full_check=True)
     check_constraints(result.model, target)
     _, held_out = calib_files[name]
-    assert np.isfinite(run_onnx(result.model, held_out)).all()
+    from conftest import sqnr_db
+    sqnr = sqnr_db(run_onnx(model_paths[name], held_out), run_onnx(result.model, held_out))
+    assert sqnr >= MIN_SQNR_DB.get((target, name), 25.0), f"{name}/{target}: {sqnr:.1f} dB"
 
 
 def test_tensorrt_side_files(tmp_path, model_paths, calib_files):
@@ -158,3 +163,93 @@ def test_tensorrt_side_files(tmp_path, model_paths, calib_files):
         assert scale == pytest.approx(q_scale[name], rel=1e-6)
         assert ranges[name] == pytest.approx(q_scale[name] * 127, rel=1e-6)
     assert str(tmp_path / "m.trt.calib.cache") in result.report.side_files and out.exists()
+
+
+def weight_scales_by_consumer(model):
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    dq = {n.output[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits}
+    return {n.op_type + ":" + n.name: inits[dq[n.input[1]].input[1]] for n in model.graph.node
+            if len(n.input) > 1 and n.input[1] in dq}
+
+
+def test_override_changes_spec_on_matching_nodes(model_paths, calib_files):
+    result = oq.quantize(model_paths["resnet_mini"], "tensorrt", calib_files["resnet_mini"][0], progress=False,
+                         overrides=["Conv=weight.granularity:per_tensor"])
+    scales = weight_scales_by_consumer(result.model)
+    assert all(v.ndim == 0 for k, v in scales.items() if k.startswith("Conv:"))
+    assert all(v.ndim == 1 for k, v in scales.items() if k.startswith("Gemm:"))
+    assert not result.report.warnings
+
+
+def test_overrides_the_target_cannot_honour_are_reported(model_paths, calib_files):
+    result = oq.quantize(model_paths["mlp"], "tensorrt", calib_files["mlp"][0], progress=False,
+                         overrides=["Gemm=activation.dtype:int16", "NoSuchNode=dtype:uint8",
+                                    "Gemm=activation.granularity:per_channel"])
+    w = result.report.warnings
+    assert any("not honoured" in x and "int16 Q/DQ needs opset >= 21" in x for x in w), w
+    assert any("NoSuchNode=dtype:uint8: matches no quantized node" in x for x in w), w
+    assert any("per-channel needs a weight input" in x for x in w), w
+    inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    assert all(inits[n.input[2]].dtype == np.int8 for n in result.model.graph.node if n.op_type == "QuantizeLinear")
+
+
+@pytest.mark.parametrize("text,msg", [("Conv", "expected NODE_OR_OP=key:value"), ("Conv=bits:4", "unknown key 'bits'"),
+                                      ("Conv=bias.dtype:int8", "role 'bias'"), ("Conv=symmetric:maybe", "true or false"),
+                                      ("Gemm=dtype:int3", "unsupported quantization dtype")])
+def test_bad_override_syntax(text, msg, model_paths, calib_files):
+    with pytest.raises(OqError, match=msg):
+        oq.quantize(model_paths["mlp"], "tensorrt", calib_files["mlp"][0], progress=False, overrides=[text])
+
+
+def test_fakequant_function_matches_quantize_dequantize():
+    from oq.fakequant import reference
+    from onnx.reference import ReferenceEvaluator
+    from oq.fakequant import function_proto
+    from onnx import helper, TensorProto
+    x = np.linspace(-3, 3, 61, dtype=np.float32)
+    node = helper.make_node("FakeQuant", ["x", "s", "z", "lo", "hi"], ["y"], domain="oq")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                            for n in ("x", "s", "z", "lo", "hi")],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("oq", 1)],
+                              functions=[function_proto(17)])
+    feeds = {"x": x, **{k: np.array(v, np.float32) for k, v in (("s", 0.25), ("z", 1), ("lo", -8), ("hi", 7))}}
+    got = ReferenceEvaluator(model).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, reference(x, 0.25, 1, -8, 7))
+    assert got.min() == -9 * 0.25 and got.max() == 6 * 0.25  # clipped to the 4-bit grid around zero-point 1
+    np.testing.assert_array_equal(run_onnx(model, feeds), got)  # onnxruntime inlines the function
+
+
+@pytest.mark.parametrize("wbits,abits", [(4, 8), (2, 6), (12, 16)])
+def test_academic_any_bit_width(wbits, abits, model_paths, calib_files):
+    result = oq.quantize(model_paths["resnet_mini"], "academic", calib_files["resnet_mini"][0], progress=False,
+                         weight_bits=wbits, act_bits=abits)
+    onnx.checker.check_model(result.model, full_check=True)
+    inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    fq = [n for n in result.model.graph.node if n.op_type == "FakeQuant"]
+    assert fq and all(n.domain == "oq" for n in fq)
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in result.model.graph.node)
+    ranges = {(float(inits[n.input[3]]), float(inits[n.input[4]])) for n in fq}
+    assert (-(2 ** (wbits - 1)) + 1, 2 ** (wbits - 1) - 1) in ranges  # narrow symmetric weights
+    assert (0, 2 ** abits - 1) in ranges
+    _, held = calib_files["resnet_mini"]
+    assert np.isfinite(run_onnx(result.model, held, optimize=True)).all()
+
+
+def test_more_bits_are_more_accurate(model_paths, calib_files):
+    _, held = calib_files["transformer"]
+    ref = run_onnx(model_paths["transformer"], held)
+    from conftest import sqnr_db
+    got = [sqnr_db(ref, run_onnx(oq.quantize(model_paths["transformer"], "academic", calib_files["transformer"][0],
+                                             progress=False, weight_bits=b, act_bits=b).model, held))
+           for b in (4, 6, 8, 12)]
+    assert got == sorted(got) and got[-1] - got[0] > 20, got
+
+
+def test_bits_beyond_the_container_are_refused_for_qdq_targets(model_paths, calib_files):
+    with pytest.raises(OqError, match="12-bit activations need int16 Q/DQ .* use --target academic"):
+        oq.quantize(model_paths["mlp"], "tensorrt", calib_files["mlp"][0], progress=False, act_bits=12)
+    result = oq.quantize(model_paths["mlp"], "tensorrt", calib_files["mlp"][0], progress=False, weight_bits=4)
+    inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
+    w = [inits[n.input[0]] for n in result.model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    assert all(a.dtype == np.int8 and a.min() >= -7 and a.max() <= 7 for a in w)

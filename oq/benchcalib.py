@@ -1,0 +1,156 @@
+"""Calibration benchmark: oq's streaming calibration vs onnxruntime.quantization, same model and data.
+
+    python -m oq.benchcalib [--samples 64 1024] [--batch-size 16] [--methods minmax entropy percentile mse]
+                            [--model M.onnx --input NAME]
+
+Each measurement runs in a fresh child process (so peak RSS belongs to that run alone) and streams the same
+deterministic synthetic images, generated per batch, so the data set itself never sits in memory. Rows: the plain
+fp32 onnxruntime pass over the data, oq (tensorrt target) with each method, onnxruntime.quantization.quantize_static
+(QDQ, its defaults) with the matching CalibrationMethod. Default model: the trained mobilenet_mini re-exported at
+224x224 (its convolutions and global pooling take any size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ORT_METHODS = {"minmax": "MinMax", "entropy": "Entropy", "percentile": "Percentile", "mse": None}
+
+
+def synthetic_batch(seed: int, start: int, count: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Smooth random images: a coarse random field upsampled by repetition plus fine noise, per sample seed."""
+    c, h, w = shape
+    out = np.empty((count, c, h, w), np.float32)
+    for k in range(count):
+        rng = np.random.default_rng((seed, start + k))
+        coarse = rng.standard_normal((c, h // 16 + 1, w // 16 + 1)).astype(np.float32)
+        out[k] = np.repeat(np.repeat(coarse, 16, 1), 16, 2)[:, :h, :w] + 0.3 * rng.standard_normal((c, h, w))
+    return out
+
+
+def feeds(name: str, n: int, batch: int, shape):
+    for start in range(0, n, batch):
+        yield {name: synthetic_batch(0, start, min(batch, n - start), shape)}
+
+
+def _child(args) -> dict:
+    """One measurement; prints JSON with wall seconds and peak RSS."""
+    import resource
+
+    import onnxruntime as ort
+
+    shape = tuple(args.shape)
+    start = time.perf_counter()
+    if args.what == "fp32":
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(args.model, so, providers=["CPUExecutionProvider"])
+        for feed in feeds(args.input, args.n, args.batch, shape):
+            sess.run(None, feed)
+    elif args.what == "oq":
+        import oq
+
+        def source():
+            for feed in feeds(args.input, args.n, args.batch, shape):
+                yield feed
+        oq.quantize(args.model, "tensorrt", source, batch_size=args.batch, calib_method=args.method, progress=False)
+    else:
+        import logging
+
+        logging.getLogger().setLevel(logging.ERROR)
+        from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, quantize_static
+
+        class Reader(CalibrationDataReader):
+            def __init__(self):
+                self.it = feeds(args.input, args.n, args.batch, shape)
+
+            def get_next(self):
+                return next(self.it, None)
+        with tempfile.TemporaryDirectory() as tmp:
+            quantize_static(args.model, f"{tmp}/q.onnx", Reader(), quant_format=QuantFormat.QDQ,
+                            calibrate_method=getattr(CalibrationMethod, ORT_METHODS[args.method]))
+    seconds = time.perf_counter() - start
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": seconds, "peak_mb": peak_mb}
+
+
+def _measure(what: str, method: str, model: str, input_name: str, shape, n: int, batch: int) -> dict:
+    cmd = [sys.executable, "-m", "oq.benchcalib", "--child", what, "--method", method, "--model", model,
+           "--input", input_name, "--n", str(n), "--batch", str(batch), "--shape", *map(str, shape)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def export_mobilenet_224(path: Path) -> None:
+    import torch
+
+    import models
+
+    model = models.load_torch("mobilenet_mini").eval()
+    torch.onnx.export(model, torch.zeros(1, 3, 224, 224), str(path), input_names=["input"], output_names=["logits"],
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, opset_version=17, dynamo=False,
+                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=True)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m oq.benchcalib")
+    p.add_argument("--samples", type=int, nargs="+", default=[64, 1024])
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--methods", nargs="+", default=["minmax", "entropy", "percentile", "mse"])
+    p.add_argument("--model", help="your .onnx (one float image input); default: mobilenet_mini at 224x224")
+    p.add_argument("--input", default="input")
+    p.add_argument("--shape", type=int, nargs=3, default=[3, 224, 224], help="C H W of one sample")
+    p.add_argument("--child", choices=["fp32", "oq", "ort"], help=argparse.SUPPRESS)
+    p.add_argument("--method", default="minmax", help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        args.what = args.child
+        print(json.dumps(_child(args)))
+        return
+    from .bench import cpu_flags
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            model = f"{tmp}/mobilenet_224.onnx"
+            export_mobilenet_224(Path(model))
+        print(f"CPU: {cpu_flags()}; model {args.model or 'mobilenet_mini@224'}; batch {args.batch_size}; "
+              f"each row a fresh process")
+        print(f"{'samples':>8} {'run':<18}{'seconds':>9}{'peak MB':>9}{'x fp32 time':>12}{'oq vs ort time':>16}"
+              f"{'oq vs ort mem':>15}")
+        for n in args.samples:
+            base = _measure("fp32", "-", model, args.input, args.shape, n, args.batch_size)
+            print(f"{n:>8} {'fp32 pass':<18}{base['seconds']:>9.2f}{base['peak_mb']:>9.0f}")
+            for method in args.methods:
+                mine = _measure("oq", method, model, args.input, args.shape, n, args.batch_size)
+                theirs = (_measure("ort", method, model, args.input, args.shape, n, args.batch_size)
+                          if ORT_METHODS[method] else {"error": "no matching method"})
+                if "error" in mine:
+                    print(f"{n:>8} {'oq ' + method:<18} error: {mine['error']}")
+                    continue
+                line = (f"{n:>8} {'oq ' + method:<18}{mine['seconds']:>9.2f}{mine['peak_mb']:>9.0f}"
+                        f"{mine['seconds'] / base['seconds']:>12.2f}")
+                if "error" not in theirs:
+                    line += (f"{theirs['seconds'] / mine['seconds']:>15.1f}x"
+                             f"{theirs['peak_mb'] / mine['peak_mb']:>14.1f}x")
+                print(line)
+                if "error" in theirs:
+                    print(f"{n:>8} {'ort ' + method:<18} {theirs['error']}")
+                else:
+                    print(f"{n:>8} {'ort ' + method:<18}{theirs['seconds']:>9.2f}{theirs['peak_mb']:>9.0f}"
+                          f"{theirs['seconds'] / base['seconds']:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,10 @@
 """Streaming calibration: one onnxruntime session, each batch reduced into observers, nothing else kept."""
 from __future__ import annotations
 
+import os
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +83,69 @@ def plan_passes(sizes: dict[str, int], batch_size: int, max_bytes: int | None) -
     return groups
 
 
+class BoundRunner:
+    """Runs the session into output buffers allocated once per input-shape signature and reused for every batch.
+
+    Fetching many large intermediate tensors with session.run allocates (and page-faults) fresh memory for each
+    batch, which costs several times the inference itself; binding reused buffers removes that cost. Buffers are
+    sized from the inferred shapes when every dim resolves from the feed, else from a first plain run. A new
+    signature (inputs whose shapes vary per sample) replaces the buffers, so memory stays one batch's worth."""
+
+    def __init__(self, session: ort.InferenceSession, model: onnx.ModelProto, names: list[str]):
+        self.session, self.names = session, names
+        self.signature = None
+        self.buffers: list[np.ndarray] = []
+        self.dims = {vi.name: vi.type.tensor_type for vi in model.graph.value_info}
+        self.inputs = {vi.name: vi.type.tensor_type for vi in model.graph.input}
+
+    def _planned_buffers(self, feed: dict[str, np.ndarray]) -> list[np.ndarray] | None:
+        symbols: dict[str, int] = {}
+        for name, tt in self.inputs.items():
+            if name in feed:
+                for d, size in zip(tt.shape.dim, feed[name].shape):
+                    if d.dim_param:
+                        symbols[d.dim_param] = size
+        buffers = []
+        for name in self.names:
+            if name in feed:
+                buffers.append(feed[name])
+                continue
+            tt = self.dims.get(name)
+            if tt is None or not tt.HasField("shape") or not tt.elem_type:
+                return None
+            shape = []
+            for d in tt.shape.dim:
+                if d.HasField("dim_value"):
+                    shape.append(d.dim_value)
+                elif d.dim_param in symbols:
+                    shape.append(symbols[d.dim_param])
+                else:
+                    return None
+            buffers.append(np.empty(shape, helper.tensor_dtype_to_np_dtype(tt.elem_type)))
+        return buffers
+
+    def run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if all(name in feed for name in self.names):
+            return [feed[name] for name in self.names]
+        signature = tuple((k, v.shape, v.dtype.str) for k, v in sorted(feed.items()))
+        if signature != self.signature:
+            self.buffers = []  # free the old ones before allocating new
+            planned = self._planned_buffers(feed)
+            if planned is None:
+                outputs = self.session.run(self.names, feed)
+                self.signature, self.buffers = signature, [np.empty_like(o) for o in outputs]
+                return outputs
+            self.signature, self.buffers = signature, planned
+        binding = self.session.io_binding()
+        for k, v in feed.items():
+            binding.bind_cpu_input(k, np.ascontiguousarray(v))
+        for name, buf in zip(self.names, self.buffers):
+            if name not in feed:  # a graph input passed through is read from the feed itself
+                binding.bind_output(name, "cpu", element_type=buf.dtype, shape=buf.shape, buffer_ptr=buf.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return [feed[name] if name in feed else buf for name, buf in zip(self.names, self.buffers)]
+
+
 def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: CalibrationData, batch_size: int = 1,
             progress: bool = True, max_memory_mb: float | None = None) -> dict:
     """Stream `data` through one onnxruntime session, updating observers[tensor] with every batch.
@@ -101,21 +166,24 @@ def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: Calibr
                 sizes = _elements_per_sample(model, names, first)
                 groups = plan_passes(sizes, batch_size, int(max_memory_mb * 2**20))
         samples = 0
+        pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
         for k, group in enumerate(groups):
             desc = "calibrating" if len(groups) == 1 else f"calibrating {k + 1}/{len(groups)}"
             bar = tqdm(total=len(data) or None, unit="sample", desc=desc, disable=not progress, leave=False)
             samples = 0
+            runner = BoundRunner(session, model, group)
             for count, feed in data.batches(batch_size):
                 try:
-                    outputs = session.run(group, feed)
+                    outputs = runner.run(feed)
                 except Exception as exc:
                     raise OqError(f"{data.where}: onnxruntime failed on samples {samples}..{samples + count - 1}: "
                                   f"{str(exc).splitlines()[0][:300]}") from None
-                for name, value in zip(group, outputs):
-                    observers[name].update(np.asarray(value))
+                # observers are independent and numpy releases the GIL in most of their work: reduce in parallel
+                list(pool.map(lambda pair: observers[pair[0]].update(np.asarray(pair[1])), zip(group, outputs)))
                 del outputs
                 samples += count
                 bar.update(count)
             bar.close()
+        pool.shutdown()
     return {"samples": samples, "tensors": len(names), "passes": len(groups),
             "seconds": time.perf_counter() - start}

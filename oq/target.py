@@ -70,10 +70,15 @@ class Target:
         lines = [f"target {self.name} ({self.source})", f"  {self.description}", "",
                  f"  bias: {self.bias}; opset >= {self.opset_min}; fusions: {', '.join(self.fusions) or 'none'}",
                  f"  fusion side inputs quantized: {self.quantize_fusion_side_inputs}; "
-                 f"graph outputs quantized: {self.quantize_graph_outputs}", "", "  specs:"]
+                 f"graph outputs quantized: {self.quantize_graph_outputs}",
+                 f"  format: {self.format}; side files: {', '.join(self.side_files) or 'none'}; "
+                 f"u8s8 saturation: {self.u8s8_saturation}", "", "  specs:"]
         for name, s in self.specs.items():
+            qmin, qmax = s.qrange
             lines.append(f"    {name:<12} {s.dtype:<6} {'symmetric' if s.symmetric else 'asymmetric':<10} "
-                         f"{s.granularity:<11} narrow={s.narrow_range} pow2={s.power_of_two} observer={s.observer}")
+                         f"{s.granularity:<11} range=[{qmin}, {qmax}] pow2={s.power_of_two} observer={s.observer}"
+                         + (f" min_scale={s.min_scale}" if s.min_scale else "")
+                         + (f" zero_point={s.zero_point}" if s.zero_point is not None else ""))
         lines += ["", "  ops:"]
         for op, r in self.ops.items():
             ins = ", ".join(f"{k}:{v}" for k, v in r.inputs.items())

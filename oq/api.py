@@ -102,7 +102,8 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
              weight_bits: int | None = None, act_bits: int | None = None,
              progress: bool = True,
              preprocess: str | None = None, max_memory_mb: float | None = None, percentile: float | None = None,
-             cpu: str = "auto", output: "str | os.PathLike | None" = None) -> QuantResult:
+             cpu: str = "auto", export_format: str = "qdq",
+             output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
     calib: an .npz of stacked samples keyed by input name; a folder of .npz feeds (one complete feed each, shapes
@@ -143,6 +144,15 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
     result_model = ir.to_model(ctx.graph, template=template)
     fakequant.attach(result_model)
+    if export_format == "qoperator":
+        if tgt.format != "qdq" or tgt.activation.dtype not in ("uint8", "int8"):
+            raise OqError(f"--format qoperator needs an 8-bit Q/DQ target such as onnxruntime; {tgt.name} is not")
+        from .qoperator import to_qoperator
+
+        result_model = to_qoperator(result_model)
+        ctx.report.warnings.append("QOperator export: QGemm/QLinearAdd/... are onnxruntime contrib ops")
+    elif export_format != "qdq":
+        raise OqError(f"unknown export format {export_format!r}; choose qdq or qoperator")
     if ir.model_size(result_model) < ir.EXTERNAL_DATA_THRESHOLD:
         try:
             onnx.checker.check_model(result_model, full_check=True)

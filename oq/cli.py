@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="bound on observed activations held per batch; more passes over the data if needed")
     run.add_argument("--exclude", action="append", default=[],
                      help="keep nodes in float: node name, op type or regex over node names (repeatable)")
+    run.add_argument("--format", choices=["qdq", "qoperator"], default="qdq",
+                     help="qoperator: QLinearConv/QLinearMatMul... as onnxruntime fuses them (onnxruntime target)")
     run.add_argument("--weight-bits", type=int, metavar="N", help="N-bit weights (2..16)")
     run.add_argument("--act-bits", type=int, metavar="N", help="N-bit activations (2..16)")
     run.add_argument("--override", action="append", default=[], metavar="NODE_OR_OP=SPEC",
@@ -63,6 +65,7 @@ def _run(args) -> int:
     result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
                       calib_method=args.calib_method, exclude=args.exclude, overrides=args.override,
                       weight_bits=args.weight_bits, act_bits=args.act_bits,
+                      export_format=args.format,
                       progress=not args.quiet,
                       preprocess=args.preprocess, max_memory_mb=args.max_memory,
                       percentile=args.percentile, cpu=args.cpu)

@@ -94,11 +94,12 @@ def qparams_of(model):
             for n in model.graph.node if n.op_type == "QuantizeLinear"}
 
 
-@pytest.mark.parametrize("target", ["tensorrt", "onnxruntime"])
-def test_batch_size_does_not_change_qparams(model_paths, calib_files, target):
+@pytest.mark.parametrize("target,method", [("tensorrt", None), ("onnxruntime", None), ("tensorrt", "percentile"),
+                                           ("tensorrt", "entropy"), ("onnxruntime", "mse")])
+def test_batch_size_does_not_change_qparams(model_paths, calib_files, target, method):
     path, calib = model_paths["mobilenet_mini"], calib_files["mobilenet_mini"][0]
-    one = oq.quantize(path, target, calib, batch_size=1, progress=False)
-    sixteen = oq.quantize(path, target, calib, batch_size=16, progress=False)
+    one = oq.quantize(path, target, calib, batch_size=1, calib_method=method, progress=False)
+    sixteen = oq.quantize(path, target, calib, batch_size=16, calib_method=method, progress=False)
     assert qparams_of(one.model) == qparams_of(sixteen.model)
 
 

@@ -253,3 +253,15 @@ def test_bits_beyond_the_container_are_refused_for_qdq_targets(model_paths, cali
     inits = {i.name: numpy_helper.to_array(i) for i in result.model.graph.initializer}
     w = [inits[n.input[0]] for n in result.model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
     assert all(a.dtype == np.int8 and a.min() >= -7 and a.max() <= 7 for a in w)
+
+
+def test_qoperator_export_for_onnxruntime(model_paths, calib_files):
+    qdq = oq.quantize(model_paths["resnet_mini"], "onnxruntime", calib_files["resnet_mini"][0], progress=False)
+    qop = oq.quantize(model_paths["resnet_mini"], "onnxruntime", calib_files["resnet_mini"][0], progress=False,
+                      export_format="qoperator")
+    ops = [n.op_type for n in qop.model.graph.node]
+    assert ops.count("QLinearConv") == 9 and "Conv" not in ops
+    _, held = calib_files["resnet_mini"]
+    np.testing.assert_allclose(run_onnx(qop.model, held), run_onnx(qdq.model, held, optimize=True), atol=1e-5)
+    with pytest.raises(OqError, match="needs an 8-bit Q/DQ target"):
+        oq.quantize(model_paths["mlp"], "academic", calib_files["mlp"][0], progress=False, export_format="qoperator")

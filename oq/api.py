@@ -137,8 +137,14 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
                                    "accuracy")
     template = onnx.ModelProto(doc_string=proto.doc_string, model_version=proto.model_version, domain=proto.domain)
     template.metadata_props.extend(proto.metadata_props)
+    template_inputs = list(proto.graph.input)
     del proto
-    PassManager(prepare_passes(tgt.opset_min) + quantize_passes(data, options)).run(ctx)
+    min_opset = tgt.opset_min
+    if any(i.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+           for i in template_inputs) and min_opset < 19:
+        min_opset = 19  # Q/DQ on float16/bfloat16 tensors exists from opset 19
+        ctx.report.warnings.append("float16 model: output upgraded to opset 19 for float16 Q/DQ")
+    PassManager(prepare_passes(min_opset) + quantize_passes(data, options)).run(ctx)
     op_of = {n.name: n.op for n in ctx.graph.nodes}
     for node_name, (quantized, reason) in ctx.plan.status.items():
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))

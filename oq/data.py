@@ -108,20 +108,29 @@ class CalibrationData:
 
 
 class NpzStack(CalibrationData):
-    """One .npz whose arrays hold the samples stacked along axis 0 (the batch axis)."""
+    """One .npz whose arrays hold the samples stacked along axis 0: either along the model's batch axis (same rank
+    as the input, sample i = rows i:i+1), or as whole feeds stacked on a new axis (rank + 1, sample i = arr[i]),
+    for models whose batch size is fixed."""
 
     def __init__(self, path: Path, specs: list[InputSpec], limit: int | None = None):
         super().__init__(str(path), specs, limit)
         try:
-            self.npz = np.load(path, allow_pickle=False)
-            keys = list(self.npz.files)
+            npz = np.load(path, allow_pickle=False)
+            keys = list(npz.files)
         except Exception as exc:
             raise OqError(f"{path}: not a readable .npz file ({type(exc).__name__})") from None
         _check_names(str(path), specs, keys)
         counts = set()
+        self.arrays: dict[str, np.ndarray] = {}
+        self.whole_feeds: set[str] = set()
         for spec in specs:
-            arr = self.npz[spec.name]
-            _check_array(str(path), spec, arr)
+            arr = npz[spec.name]
+            if arr.ndim == len(spec.shape) + 1:
+                _check_array(str(path), spec, arr[0] if len(arr) else arr[:0].reshape(arr.shape[1:]))
+                self.whole_feeds.add(spec.name)
+            else:
+                _check_array(str(path), spec, arr)
+            self.arrays[spec.name] = arr
             counts.add(arr.shape[0] if arr.ndim else 1)
         if len(counts) != 1:
             raise OqError(f"{path}: arrays hold different numbers of samples ({sorted(counts)})")
@@ -133,9 +142,8 @@ class NpzStack(CalibrationData):
         return min(self.count, self.limit) if self.limit else self.count
 
     def samples(self):
-        arrays = {s.name: self.npz[s.name] for s in self.specs}
         for i in range(len(self)):
-            yield {k: v[i:i + 1] for k, v in arrays.items()}
+            yield {k: v[i] if k in self.whole_feeds else v[i:i + 1] for k, v in self.arrays.items()}
 
 
 class NpzFolder(CalibrationData):

@@ -86,6 +86,8 @@ class _Planner:
         if excluded(node, self.exclude):
             return "excluded by --exclude"
         if node.op not in self.target.ops:
+            if ir.has_subgraph(node):
+                return f"control flow ({node.op}): its subgraphs stay float"
             if node.inputs and not any(ir.is_float(t) for t in node.inputs):
                 return "shape/index path (no float input)"
             return f"op {node.op} not quantized by target {self.target.name}"

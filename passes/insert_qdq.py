@@ -13,8 +13,9 @@ from oq.spec import QParams, quantize_array
 INT32_SPEC_LIMIT = 2**31 - 1
 
 
-def _qparam_constants(namer: ir.Namer, base: str, qp: QParams) -> tuple[gs.Constant, gs.Constant]:
-    scale = gs.Constant(namer(f"{base}_scale"), np.asarray(qp.scale, np.float32))
+def _qparam_constants(namer: ir.Namer, base: str, qp: QParams, dtype=np.float32) -> tuple[gs.Constant, gs.Constant]:
+    """Scale in the quantized tensor's own float type (float16 models need opset 19), zero-point in the spec's."""
+    scale = gs.Constant(namer(f"{base}_scale"), np.asarray(qp.scale, dtype))
     zp = gs.Constant(namer(f"{base}_zero_point"), np.asarray(qp.zero_point))
     return scale, zp
 
@@ -71,7 +72,7 @@ class InsertQDQ(Pass):
                     nodes[node_name].inputs[idx] = out
                 continue
             q = gs.Constant(namer(f"{wq.tensor}_quantized"), quantize_array(value.astype(np.float32), wq.qparams))
-            scale, zp = _qparam_constants(namer, wq.tensor, wq.qparams)
+            scale, zp = _qparam_constants(namer, wq.tensor, wq.qparams, value.dtype)
             dq, out = _dq_node(namer, wq.tensor, q, scale, zp, wq.axis, list(value.shape), value.dtype)
             new_nodes.append(dq)
             for node_name, idx in wq.consumers:
@@ -81,7 +82,11 @@ class InsertQDQ(Pass):
             node = nodes[bq.node]
             aq, wq = plan.activations[bq.input_tensor], plan.weights[bq.weight_key]
             bias_t = node.inputs[2]
-            bias = ir.constant_value(bias_t).astype(np.float64)
+            bias = ir.constant_value(bias_t)
+            if bias.dtype != np.float32:
+                notes.append(f"{node.name}: {bias.dtype} bias kept in float (int32 bias needs float32 scales)")
+                continue
+            bias = bias.astype(np.float64)
             scale = (aq.qparams.scale.astype(np.float64) * wq.qparams.scale.astype(np.float64)).reshape(-1)
             scale = np.broadcast_to(scale, bias.shape) if scale.size == 1 else scale
             q = np.rint(bias / scale)
@@ -107,7 +112,7 @@ class InsertQDQ(Pass):
                 fq, dq_out = _fake_quant(namer, name, tensor, aq.qparams, 0, tensor.shape, tensor.dtype or np.float32)
                 new_nodes += fq
             else:
-                scale, zp = _qparam_constants(namer, name, aq.qparams)
+                scale, zp = _qparam_constants(namer, name, aq.qparams, tensor.dtype or np.float32)
                 q_out = gs.Variable(namer(f"{name}_q"), dtype=aq.qparams.zero_point.dtype, shape=tensor.shape)
                 new_nodes.append(gs.Node("QuantizeLinear", namer(f"{name}_QuantizeLinear"), {}, [tensor, scale, zp],
                                          [q_out]))

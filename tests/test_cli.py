@@ -62,7 +62,7 @@ def bad_npz(tmp_path, **arrays):
     ("missing_model", "no such file"),
     ("not_onnx", "not a readable ONNX model"),
     ("wrong_name", "has no array for input 'input'; it has: 'pixel_values'"),
-    ("wrong_rank", "has rank 3"),
+    ("wrong_rank", "has rank 4"),
     ("wrong_dtype", "has dtype float64, the model expects float32"),
     ("wrong_dim", "axis 1 differs"),
     ("nan", "input 'input' has NaN or inf in sample 5"),
@@ -81,7 +81,7 @@ def test_bad_input_is_one_line_exit_2(case, expect, mlp, tmp_path, capsys):
     elif case == "wrong_name":
         calib = bad_npz(tmp_path, pixel_values=good)
     elif case == "wrong_rank":
-        calib = bad_npz(tmp_path, input=good[None])
+        calib = bad_npz(tmp_path, input=good[None, None])
     elif case == "wrong_dtype":
         calib = bad_npz(tmp_path, input=good.astype(np.float64))
     elif case == "wrong_dim":

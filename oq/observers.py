@@ -148,12 +148,7 @@ class EMAObserver(Observer):
         self.batches += other.batches
         self.nonfinite = self.nonfinite or other.nonfinite
 
-    def range(self) -> tuple[float, float]:
-        if self.nonfinite:
-            return math.nan, math.nan
-        if self.count == 0:
-            return 0.0, 0.0
-        return self.lo, self.hi
+    range = MinMaxObserver.range  # same reading of the tracked (lo, hi)
 
     def state_bytes(self) -> int:
         return 48

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import ml_dtypes
 import numpy as np
 import onnx
 
@@ -15,7 +16,10 @@ DTYPES = {
     "int16": (-32768, 32767, np.int16, onnx.TensorProto.INT16),
     "uint16": (0, 65535, np.uint16, onnx.TensorProto.UINT16),
     "int32": (-(2**31), 2**31 - 1, np.int32, onnx.TensorProto.INT32),
+    # FP8 E4M3 (finite, no inf): a float grid whose largest magnitude is 448; Q/DQ from opset 19
+    "float8e4m3": (-448, 448, ml_dtypes.float8_e4m3fn, onnx.TensorProto.FLOAT8E4M3FN),
 }
+FLOAT_DTYPES = ("float8e4m3",)
 GRANULARITIES = ("per_tensor", "per_channel")
 ROUNDINGS = ("half_even", "half_away")
 # Below this a scale underflows float32 arithmetic in the runtimes; zero-range tensors get scale 1.
@@ -56,6 +60,10 @@ class QuantSpec:
                               "follows the data); use symmetric = true or drop zero_point")
             if not qmin <= self.zero_point <= qmax:
                 raise OqError(f"zero_point {self.zero_point} is outside the range [{qmin}, {qmax}]")
+        if self.is_float and (not self.symmetric or self.narrow_range or self.power_of_two or
+                              self.quant_min is not None or self.quant_max is not None or self.zero_point):
+            raise OqError(f"{self.dtype} is a float grid: symmetric only, zero-point 0, no narrow_range, "
+                          f"power_of_two or quant_min/quant_max")
         if not (self.min_scale >= 0 and np.isfinite(self.min_scale)):
             raise OqError(f"min_scale must be a finite number >= 0, got {self.min_scale}")
 
@@ -73,7 +81,13 @@ class QuantSpec:
         return qmin, qmax
 
     @property
+    def is_float(self) -> bool:
+        return self.dtype in FLOAT_DTYPES
+
+    @property
     def bits(self) -> int:
+        if self.is_float:
+            return 8
         qmin, qmax = self.qrange
         return int(np.ceil(np.log2(qmax - qmin + 1)))
 
@@ -132,6 +146,8 @@ def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
         scale, zp = scale.reshape(shape), zp.reshape(shape)
     qmin, qmax = qp.spec.qrange
     v = x.astype(np.float64) / scale.astype(np.float64)
+    if qp.spec.is_float:  # saturate, then round to the nearest representable value (ties to even)
+        return np.asarray(np.clip(v, qmin, qmax).astype(np.float32).astype(qp.spec.np_dtype))
     q = (np.rint(v) if qp.spec.rounding == "half_even" else np.sign(v) * np.floor(np.abs(v) + 0.5)) + zp
     return np.asarray(np.clip(q, qmin, qmax).astype(qp.spec.np_dtype))
 

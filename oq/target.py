@@ -25,7 +25,7 @@ SATURATION_MODES = ("ignore", "guard")  # guard: see oq/passes/saturation.py (x8
 SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two", "quant_min",
              "quant_max", "min_scale", "zero_point", "rounding"}
 # dtypes that QuantizeLinear/DequantizeLinear accept only from this opset on
-DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21}
+DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21, "float8e4m3": 19}
 OP_KEYS = {"inputs", "output", "bias"}
 
 

@@ -61,3 +61,17 @@ def test_per_channel_weight_axis_and_mse_clipping():
     # ConvTranspose-style axis 1
     ct = weight_qparams(w, QuantSpec("int8", granularity="per_channel"), axis=1)
     np.testing.assert_allclose(ct.scale, np.abs(w).transpose(1, 0, 2, 3).reshape(64, -1).max(1) / 127, rtol=1e-6)
+
+
+def test_float8_grid():
+    spec = QuantSpec("float8e4m3")
+    qp = qparams_from_range(-2.0, 1.0, spec)
+    assert qp.scale == pytest.approx(2.0 / 448) and float(qp.zero_point) == 0.0
+    x = np.array([0.0, 1e-3, 0.3, -2.0, 5.0], np.float32)
+    q = quantize_array(x, qp)
+    assert q.dtype.name == "float8_e4m3fn"
+    back = dequantize_array(q, qp)
+    assert back[-1] == pytest.approx(2.0)  # saturated at the grid's end, not NaN
+    assert np.all(np.abs(back[:4] - x[:4]) <= np.abs(x[:4]) * 2 ** -4 + 1e-6)  # 3 mantissa bits
+    with pytest.raises(OqError, match="float grid: symmetric only"):
+        QuantSpec("float8e4m3", symmetric=False)

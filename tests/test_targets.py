@@ -16,7 +16,11 @@ from oq.target import builtin_names, load_target
 # Power-of-two per-tensor scales everywhere cost Vitis accuracy on the two models whose activations need the
 # finest grids (measured 22-24 dB on decoder, 20 dB on mlp); every other pair reaches 25 dB at 8 bits.
 MIN_SQNR_DB = {("vitis", "decoder"): 21.0, ("vitis", "mlp"): 19.0}
-BUILTINS = ("tensorrt", "onnxruntime", "openvino", "qnn", "qnn_w8a16", "vitis", "academic")
+# FP8 E4M3 keeps 3 mantissa bits: a relative error per value that int8 only reaches near its range limits
+# (measured 20-34 dB on the reference models; 25 dB on three of five is out of reach for plain PTQ in FP8).
+MIN_SQNR_DB.update({("tensorrt_fp8", "resnet_mini"): 22.0, ("tensorrt_fp8", "mobilenet_mini"): 21.0,
+                    ("tensorrt_fp8", "decoder"): 18.0})
+BUILTINS = ("tensorrt", "onnxruntime", "openvino", "qnn", "qnn_w8a16", "vitis", "academic", "tensorrt_fp8")
 
 
 def test_builtin_targets_load_and_describe():
@@ -124,9 +128,9 @@ def check_constraints(model, target):
         qmin, qmax = spec.qrange
         if spec.symmetric:
             center = 0 if spec.signed else (qmin + qmax + 1) // 2
-            assert np.all(zp == center), n.name
+            assert np.all(zp.astype(np.float32) == center), n.name
         if is_weight:
-            q = inits[n.input[0]]
+            q = inits[n.input[0]].astype(np.float32)
             assert q.min() >= qmin and q.max() <= qmax, n.name
             per_channel = scale.ndim == 1
             assert per_channel == (spec.granularity == "per_channel" and q.ndim > 1) or q.ndim <= 1, n.name

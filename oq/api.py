@@ -149,6 +149,7 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     for node_name, (quantized, reason) in ctx.plan.status.items():
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
     result_model = ir.to_model(ctx.graph, template=template)
+    ir.pack_4bit(result_model, ctx.facts.get("packed", {}))
     fakequant.attach(result_model)
     if export_format == "qoperator":
         if tgt.format != "qdq" or tgt.activation.dtype not in ("uint8", "int8"):

@@ -110,6 +110,19 @@ def to_model(graph: gs.Graph, template: onnx.ModelProto | None = None) -> onnx.M
     return model
 
 
+def pack_4bit(model: onnx.ModelProto, packed: dict[str, str]) -> None:
+    """Turn the named initializers (4-bit values held in int8/uint8) into INT4/UINT4 tensors, two values a byte."""
+    if not packed:
+        return
+    import ml_dtypes
+
+    kinds = {"int4": ml_dtypes.int4, "uint4": ml_dtypes.uint4}
+    for i, init in enumerate(model.graph.initializer):
+        if init.name in packed:
+            value = onnx.numpy_helper.to_array(init).astype(kinds[packed[init.name]])
+            model.graph.initializer[i].CopyFrom(onnx.numpy_helper.from_array(value, init.name))
+
+
 def opset_of(model: onnx.ModelProto, domain: str = "") -> int | None:
     for imp in model.opset_import:
         if imp.domain in (domain, "ai.onnx" if domain == "" else domain):

@@ -29,3 +29,17 @@ def is_weight_input(node: gs.Node, index: int) -> bool:
 
 def is_bias_input(node: gs.Node, index: int) -> bool:
     return BIAS_INPUT.get(node.op) == index
+
+
+def weight_block_axis(node: gs.Node, rank: int) -> int:
+    """Axis of a weight tensor summed over by the op (its input channels): blocks of per-block scales run along it."""
+    op = node.op
+    if op == "Conv":
+        return 1
+    if op == "ConvTranspose":
+        return 0
+    if op == "Gemm":
+        return 1 if node.attrs.get("transB", 0) else 0
+    if op == "MatMul":
+        return rank - 2
+    raise KeyError(op)

@@ -16,11 +16,15 @@ DTYPES = {
     "int16": (-32768, 32767, np.int16, onnx.TensorProto.INT16),
     "uint16": (0, 65535, np.uint16, onnx.TensorProto.UINT16),
     "int32": (-(2**31), 2**31 - 1, np.int32, onnx.TensorProto.INT32),
+    # 4-bit integers (Q/DQ from opset 21); held in 8-bit containers until export packs them
+    "int4": (-8, 7, np.int8, onnx.TensorProto.INT4),
+    "uint4": (0, 15, np.uint8, onnx.TensorProto.UINT4),
     # FP8 E4M3 (finite, no inf): a float grid whose largest magnitude is 448; Q/DQ from opset 19
     "float8e4m3": (-448, 448, ml_dtypes.float8_e4m3fn, onnx.TensorProto.FLOAT8E4M3FN),
 }
 FLOAT_DTYPES = ("float8e4m3",)
-GRANULARITIES = ("per_tensor", "per_channel")
+PACKED_DTYPES = ("int4", "uint4")
+GRANULARITIES = ("per_tensor", "per_channel", "per_block")
 ROUNDINGS = ("half_even", "half_away")
 # Below this a scale underflows float32 arithmetic in the runtimes; zero-range tensors get scale 1.
 MIN_SCALE = 1e-12
@@ -40,6 +44,7 @@ class QuantSpec:
     min_scale: float = 0.0
     zero_point: int | None = None  # fixed zero-point (symmetric specs only)
     rounding: str = "half_even"  # how weights are rounded offline; runtimes always round half to even
+    block_size: int | None = None  # per_block: values along the weight's reduction axis sharing one scale
 
     def __post_init__(self):
         if self.dtype not in DTYPES or self.dtype == "int32":
@@ -64,6 +69,10 @@ class QuantSpec:
                               self.quant_min is not None or self.quant_max is not None or self.zero_point):
             raise OqError(f"{self.dtype} is a float grid: symmetric only, zero-point 0, no narrow_range, "
                           f"power_of_two or quant_min/quant_max")
+        if (self.granularity == "per_block") != (self.block_size is not None):
+            raise OqError("block_size goes with granularity = \"per_block\" (and per_block needs a block_size)")
+        if self.block_size is not None and self.block_size < 2:
+            raise OqError(f"block_size must be at least 2, got {self.block_size}")
         if not (self.min_scale >= 0 and np.isfinite(self.min_scale)):
             raise OqError(f"min_scale must be a finite number >= 0, got {self.min_scale}")
 
@@ -105,10 +114,24 @@ class QParams:
     zero_point: np.ndarray  # spec dtype, same shape as scale
     axis: int | None = None
     spec: QuantSpec = field(default_factory=QuantSpec)
+    block_size: int | None = None  # scale has the tensor's shape with `axis` divided into blocks
 
     @property
     def per_channel(self) -> bool:
         return self.axis is not None
+
+    def expanded(self, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Scale and zero-point broadcastable against a tensor of `shape`."""
+        scale, zp = np.asarray(self.scale), np.asarray(self.zero_point)
+        if self.axis is None or scale.ndim == 0:
+            return scale, zp
+        axis = self.axis % len(shape)
+        if self.block_size:
+            take = np.arange(shape[axis]) // self.block_size
+            return np.take(scale, take, axis=axis), np.take(zp, take, axis=axis)
+        view = [1] * len(shape)
+        view[axis] = -1
+        return scale.reshape(view), zp.reshape(view)
 
 
 def qparams_from_range(lo, hi, spec: QuantSpec, axis: int | None = None) -> QParams:
@@ -138,12 +161,9 @@ def qparams_from_range(lo, hi, spec: QuantSpec, axis: int | None = None) -> QPar
 
 
 def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
-    """Round-half-to-even and saturate, as ONNX QuantizeLinear does."""
-    scale, zp = qp.scale, qp.zero_point.astype(np.float64)
-    if qp.axis is not None and scale.ndim == 1:
-        shape = [1] * x.ndim
-        shape[qp.axis] = -1
-        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    """Round-half-to-even (or the spec's offline rounding) and saturate, as ONNX QuantizeLinear does."""
+    scale, zp = qp.expanded(x.shape)
+    zp = zp.astype(np.float64)
     qmin, qmax = qp.spec.qrange
     v = x.astype(np.float64) / scale.astype(np.float64)
     if qp.spec.is_float:  # saturate, then round to the nearest representable value (ties to even)
@@ -153,11 +173,7 @@ def quantize_array(x: np.ndarray, qp: QParams) -> np.ndarray:
 
 
 def dequantize_array(q: np.ndarray, qp: QParams) -> np.ndarray:
-    scale, zp = qp.scale, qp.zero_point
-    if qp.axis is not None and scale.ndim == 1:
-        shape = [1] * q.ndim
-        shape[qp.axis] = -1
-        scale, zp = scale.reshape(shape), zp.reshape(shape)
+    scale, zp = qp.expanded(q.shape)
     return ((q.astype(np.float32) - zp.astype(np.float32)) * scale).astype(np.float32)
 
 
@@ -182,6 +198,8 @@ def weight_qparams(w: np.ndarray, spec: QuantSpec, axis: int | None) -> QParams:
     """Qparams of a constant, per channel along `axis` when the spec asks for it. The spec's observer picks the
     range: "minmax" (default) or "mse" (clip each channel where the quantization error is smallest)."""
     w = np.asarray(w, dtype=np.float32)
+    if spec.granularity == "per_block" and axis is not None and w.ndim > 0 and w.size:
+        return _block_qparams(w, spec, axis % w.ndim)
     per_channel = spec.granularity == "per_channel" and axis is not None and w.ndim > 0
     if w.size == 0:
         n = w.shape[axis] if per_channel else None
@@ -200,6 +218,17 @@ def weight_qparams(w: np.ndarray, spec: QuantSpec, axis: int | None) -> QParams:
     if per_channel:
         return QParams(qp.scale, qp.zero_point, axis, spec)
     return QParams(qp.scale[0], qp.zero_point[0], None, spec)
+
+
+def _block_qparams(w: np.ndarray, spec: QuantSpec, axis: int) -> QParams:
+    """Min/max per block of `block_size` values along `axis` (the last block may be shorter)."""
+    size, block = w.shape[axis], spec.block_size
+    n_blocks = -(-size // block)
+    moved = np.moveaxis(w, axis, -1)
+    padded = np.concatenate([moved, np.repeat(moved[..., -1:], n_blocks * block - size, axis=-1)], axis=-1)
+    blocks = padded.reshape(*moved.shape[:-1], n_blocks, block)
+    qp = qparams_from_range(blocks.min(-1), blocks.max(-1), spec)
+    return QParams(np.moveaxis(qp.scale, -1, axis), np.moveaxis(qp.zero_point, -1, axis), axis, spec, block)
 
 
 def _best_power_of_two(w2d: np.ndarray, qp: QParams) -> QParams:

@@ -23,9 +23,9 @@ TOP_KEYS = {"name", "description", "extends", "fusions", "quantize_fusion_side_i
 FORMATS = ("qdq", "fakequant")  # fakequant: oq.FakeQuant model-local functions, any bit width
 SATURATION_MODES = ("ignore", "guard")  # guard: see oq/passes/saturation.py (x86 CPUs without VNNI)
 SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two", "quant_min",
-             "quant_max", "min_scale", "zero_point", "rounding"}
+             "quant_max", "min_scale", "zero_point", "rounding", "block_size"}
 # dtypes that QuantizeLinear/DequantizeLinear accept only from this opset on
-DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21, "float8e4m3": 19}
+DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21, "float8e4m3": 19, "int4": 21, "uint4": 21}
 OP_KEYS = {"inputs", "output", "bias"}
 
 
@@ -196,6 +196,9 @@ def parse_target(raw: dict, where: str) -> Target:
         fail("activation_spec", f"spec {act!r} is not defined under [specs]")
     if specs[act].granularity != "per_tensor":
         fail(f"specs.{act}.granularity", "activations are quantized per tensor")
+    if specs[act].dtype in ("int4", "uint4"):
+        fail(f"specs.{act}.dtype", "4-bit dtypes are for weights; for 4-bit activations use int8/uint8 with "
+                                   "quant_min/quant_max (or --act-bits 4)")
     ops: dict[str, OpRule] = {}
     for op, oraw in raw.get("ops", {}).items():
         key = f"ops.{op}"
@@ -211,8 +214,9 @@ def parse_target(raw: dict, where: str) -> Target:
             if sname not in specs:
                 fail(f"{key}.inputs.{idx}", f"spec {sname!r} is not defined under [specs]")
             index = idx if idx == "*" else int(idx)
-            if specs[sname].granularity == "per_channel" and WEIGHT_INPUT.get(op) != index:
-                fail(f"{key}.inputs.{idx}", f"per-channel spec {sname!r} on an input that is not a weight of {op}")
+            if specs[sname].granularity in ("per_channel", "per_block") and WEIGHT_INPUT.get(op) != index:
+                kind = specs[sname].granularity.replace("_", "-")
+                fail(f"{key}.inputs.{idx}", f"{kind} spec {sname!r} on an input that is not a weight of {op}")
             inputs[index] = sname
         output = oraw.get("output", "float")
         if output not in OUTPUT_MODES:
@@ -238,9 +242,10 @@ def parse_target(raw: dict, where: str) -> Target:
     if not isinstance(opset_min, int) or not 13 <= opset_min <= 23:
         fail("opset_min", "must be an integer between 13 and 23")
     for sname, spec in specs.items():
-        need = DTYPE_MIN_OPSET.get(spec.dtype, 13)
+        need = max(DTYPE_MIN_OPSET.get(spec.dtype, 13), 21 if spec.granularity == "per_block" else 13)
         if need > opset_min and fmt == "qdq":
-            fail(f"specs.{sname}.dtype", f"{spec.dtype} Q/DQ needs opset >= {need}; set opset_min = {need}")
+            what = "per-block Q/DQ" if spec.granularity == "per_block" else f"{spec.dtype} Q/DQ"
+            fail(f"specs.{sname}.dtype", f"{what} needs opset >= {need}; set opset_min = {need}")
     saturation = raw.get("u8s8_saturation", "ignore")
     if saturation not in SATURATION_MODES:
         fail("u8s8_saturation", f"must be one of {', '.join(SATURATION_MODES)}")

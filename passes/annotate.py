@@ -4,7 +4,7 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from oq import ir
-from oq.opinfo import BIAS_INPUT, is_weight_input, weight_channel_axis
+from oq.opinfo import BIAS_INPUT, is_weight_input, weight_block_axis, weight_channel_axis
 from oq.overrides import matches, parse_override
 from oq.target import DTYPE_MIN_OPSET
 from oq.passmanager import Context, Pass, PassResult, has_target, unique_node_names
@@ -110,8 +110,10 @@ class _Planner:
                 axis = None
                 if spec.granularity == "per_channel" and is_weight_input(node, idx):
                     axis = weight_channel_axis(node, value.ndim)
-                elif spec.granularity == "per_channel":
-                    spec = spec.with_(granularity="per_tensor")
+                elif spec.granularity == "per_block" and is_weight_input(node, idx) and value.ndim >= 2:
+                    axis = weight_block_axis(node, value.ndim)
+                elif spec.granularity != "per_tensor":
+                    spec = spec.with_(granularity="per_tensor", block_size=None)
                 key = (tensor.name, spec, axis)
                 wq = self.plan.weights.setdefault(key, WeightQuant(tensor.name, spec, axis))
                 wq.consumers.add((node.name, idx))
@@ -203,6 +205,6 @@ class _Planner:
                 continue
             x, w = node.inputs[0].name, node.inputs[1].name
             wkey = next((k for k, wq in self.plan.weights.items() if k[0] == w and (node.name, 1) in wq.consumers), None)
-            if wkey is None or x not in self.plan.activations:
-                continue
+            if wkey is None or x not in self.plan.activations or wkey[1].granularity == "per_block":
+                continue  # int32 bias needs one weight scale per output channel
             self.plan.biases.append(BiasQuant(node.name, x, wkey))

@@ -8,7 +8,7 @@ from oq import fakequant, ir
 from oq.errors import OqError
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS
-from oq.spec import QParams, quantize_array
+from oq.spec import PACKED_DTYPES, QParams, quantize_array
 
 INT32_SPEC_LIMIT = 2**31 - 1
 
@@ -20,9 +20,12 @@ def _qparam_constants(namer: ir.Namer, base: str, qp: QParams, dtype=np.float32)
     return scale, zp
 
 
-def _dq_node(namer, base: str, q_input: gs.Tensor, scale, zp, axis, shape, out_dtype=np.float32):
+def _dq_node(namer, base: str, q_input: gs.Tensor, scale, zp, axis, shape, out_dtype=np.float32,
+             block_size: int | None = None):
     out = gs.Variable(namer(f"{base}_dq"), dtype=out_dtype, shape=shape)
     attrs = {"axis": axis} if axis is not None else {}
+    if block_size:
+        attrs["block_size"] = block_size
     return gs.Node("DequantizeLinear", namer(f"{base}_DequantizeLinear"), attrs, [q_input, scale, zp], [out]), out
 
 
@@ -73,7 +76,10 @@ class InsertQDQ(Pass):
                 continue
             q = gs.Constant(namer(f"{wq.tensor}_quantized"), quantize_array(value.astype(np.float32), wq.qparams))
             scale, zp = _qparam_constants(namer, wq.tensor, wq.qparams, value.dtype)
-            dq, out = _dq_node(namer, wq.tensor, q, scale, zp, wq.axis, list(value.shape), value.dtype)
+            dq, out = _dq_node(namer, wq.tensor, q, scale, zp, wq.axis, list(value.shape), value.dtype,
+                               wq.qparams.block_size)
+            if wq.spec.dtype in PACKED_DTYPES:  # 4-bit values sit in 8-bit containers until export packs them
+                ctx.facts.setdefault("packed", {}).update({q.name: wq.spec.dtype, zp.name: wq.spec.dtype})
             new_nodes.append(dq)
             for node_name, idx in wq.consumers:
                 nodes[node_name].inputs[idx] = out

@@ -75,3 +75,13 @@ def test_float8_grid():
     assert np.all(np.abs(back[:4] - x[:4]) <= np.abs(x[:4]) * 2 ** -4 + 1e-6)  # 3 mantissa bits
     with pytest.raises(OqError, match="float grid: symmetric only"):
         QuantSpec("float8e4m3", symmetric=False)
+
+
+def test_per_block_qparams_by_hand():
+    w = np.arange(2 * 5, dtype=np.float32).reshape(2, 5) - 4.0  # rows [-4..0], [1..5]
+    spec = QuantSpec("int8", granularity="per_block", block_size=2)
+    qp = weight_qparams(w, spec, axis=1)
+    assert qp.block_size == 2 and qp.scale.shape == (2, 3)  # 5 values -> blocks of 2, 2, 1
+    amax = np.array([[4, 2, 0], [2, 4, 5]], np.float32)
+    np.testing.assert_allclose(qp.scale, np.where(amax > 0, amax / 127, 1.0), rtol=1e-6)
+    np.testing.assert_allclose(dequantize_array(quantize_array(w, qp), qp), w, atol=5 / 127 / 2 + 1e-6)

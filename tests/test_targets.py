@@ -269,3 +269,52 @@ def test_qoperator_export_for_onnxruntime(model_paths, calib_files):
     np.testing.assert_allclose(run_onnx(qop.model, held), run_onnx(qdq.model, held, optimize=True), atol=1e-5)
     with pytest.raises(OqError, match="needs an 8-bit Q/DQ target"):
         oq.quantize(model_paths["mlp"], "academic", calib_files["mlp"][0], progress=False, export_format="qoperator")
+
+
+W4 = '''
+name = "w4"
+extends = "onnxruntime"
+opset_min = 21
+[specs.weight]
+dtype = "int4"
+granularity = "per_block"
+block_size = 16
+narrow_range = false
+'''
+
+
+def test_int4_per_block_weights(tmp_path, model_paths, calib_files):
+    path = write(tmp_path, W4)
+    result = oq.quantize(model_paths["transformer"], path, calib_files["transformer"][0], progress=False)
+    onnx.checker.check_model(result.model, full_check=True)
+    inits = {i.name: i for i in result.model.graph.initializer}
+    dqs = [n for n in result.model.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+           and inits[n.input[0]].data_type == onnx.TensorProto.INT4]
+    assert dqs
+    for n in dqs:
+        attrs = {a.name: a.i for a in n.attribute}
+        w = numpy_helper.to_array(inits[n.input[0]]).astype(np.int8)
+        scale = numpy_helper.to_array(inits[n.input[1]])
+        assert attrs["block_size"] == 16 and w.min() >= -8 and w.max() <= 7
+        expect = list(w.shape)
+        expect[attrs["axis"]] = -(-w.shape[attrs["axis"]] // 16)
+        assert list(scale.shape) == expect
+    _, held = calib_files["transformer"]
+    from conftest import sqnr_db
+    assert sqnr_db(run_onnx(model_paths["transformer"], held), run_onnx(result.model, held)) > 20
+
+
+@pytest.mark.parametrize("text,key,reason", [
+    ('name = "x"\nextends = "onnxruntime"\n[specs.weight]\ndtype = "int4"\n', "specs.weight.dtype",
+     "int4 Q/DQ needs opset >= 21"),
+    ('name = "x"\nextends = "onnxruntime"\nopset_min = 21\n[specs.weight]\ngranularity = "per_block"\n',
+     "specs.weight", "per_block needs a block_size"),
+    ('name = "x"\nextends = "onnxruntime"\nopset_min = 21\n[specs.activation]\ndtype = "uint4"\n',
+     "specs.activation.dtype", "4-bit dtypes are for weights"),
+    ('name = "x"\nextends = "onnxruntime"\n[specs.weight]\ngranularity = "per_block"\nblock_size = 32\n',
+     "specs.weight.dtype", "per-block Q/DQ needs opset >= 21"),
+])
+def test_4bit_and_block_constraints_are_checked(tmp_path, text, key, reason):
+    with pytest.raises(OqError) as err:
+        load_target(write(tmp_path, text))
+    assert f"key '{key}'" in str(err.value) and reason in str(err.value), str(err.value)

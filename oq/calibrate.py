@@ -22,6 +22,8 @@ from .observers import Observer
 def _session(model: onnx.ModelProto, workdir: Path) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    # Extended, not all: the NCHWc layouts of the highest level would reorder every observed tensor back to NCHW.
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     if ir.model_size(model) > ir.EXTERNAL_DATA_THRESHOLD:
         path = ir.save_model(model, workdir / "calibration.onnx", external_data=True)
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])

@@ -180,11 +180,17 @@ class HistogramObserver(Observer):
 
     name = "histogram"
 
-    def __init__(self, bins: int = 2048):
+    def __init__(self, bins: int = 2048, sample_limit: int | None = 65536):
         bins = int(bins)
         if bins < 16:
             raise OqError(f"histogram bins must be at least 16, got {bins}")
         self.bins = bins
+        # Binning every value of a large activation costs far more than the inference that produced it. When the
+        # caller says axis 0 holds samples (`rows_are_samples`), each sample's values are binned at a fixed stride
+        # so that at most `sample_limit` per sample are counted, each counting `stride` times. The selection depends
+        # only on the sample's own size, so results stay identical for any batching; min/max stay exact.
+        self.sample_limit = sample_limit
+        self.rows_are_samples = False
         self.half = 2 * bins  # H: index of the bin starting at 0
         self.counts: np.ndarray | None = None  # int64[2H], allocated at the first non-zero value
         self.width = 0.0
@@ -230,8 +236,12 @@ class HistogramObserver(Observer):
             return
         before = self.count
         self.lo, self.hi = min(self.lo, ext[0]), max(self.hi, ext[1])
-        self.count += x.size
-        self.exact_zeros += x.size - int(np.count_nonzero(x))
+        weight = 1
+        if self.rows_are_samples and self.sample_limit and x.ndim >= 2 and x[0].size > self.sample_limit:
+            weight = -(-x[0].size // self.sample_limit)
+            x = x.reshape(x.shape[0], -1)[:, ::weight]
+        self.count += weight * x.size
+        self.exact_zeros += weight * (x.size - int(np.count_nonzero(x)))
         amax = self._amax()
         if amax == 0.0:
             return
@@ -251,7 +261,8 @@ class HistogramObserver(Observer):
         np.floor(scaled, out=scaled)
         idx = scaled.astype(np.intp)
         idx += self.half
-        self.counts += np.bincount(idx, minlength=2 * self.half)
+        counts = np.bincount(idx, minlength=2 * self.half)
+        self.counts += counts if weight == 1 else weight * counts
 
     def merge(self, other: Observer) -> None:
         if not isinstance(other, HistogramObserver):

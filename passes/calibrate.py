@@ -26,6 +26,16 @@ def observer_for(method: str, spec, extra: dict):
     return make_observer(method, **kwargs)
 
 
+def _rows_are_samples(graph):
+    """A predicate: does axis 0 of a tensor hold whole samples, whatever the batching? True when the tensor's first
+    dim is the inputs' symbolic batch dim, or when the inputs' batch is fixed (feeds are never concatenated)."""
+    batch_dims = [t.shape[0] if t.shape else None for t in graph.inputs]
+    if all(isinstance(d, int) for d in batch_dims):
+        return lambda tensor: True
+    symbols = {d for d in batch_dims if isinstance(d, str)}
+    return lambda tensor: bool(tensor.shape) and tensor.shape[0] in symbols
+
+
 class Calibrate(Pass):
     name = "calibrate"
     requires = (has_plan,)
@@ -44,10 +54,13 @@ class Calibrate(Pass):
         groups = plan.observed_groups()
         members = [m for ms in groups.values() for m in ms]
         observers = {}
+        row_samples = _rows_are_samples(ctx.graph)
         for name in members:
             spec = plan.activations[name].spec if name in plan.activations else None
             observers[name] = observer_for(self.method or (spec.observer if spec else "minmax"), spec,
                                            self.observer_args)
+            if hasattr(observers[name], "rows_are_samples"):
+                observers[name].rows_are_samples = row_samples(tensors[name])
         if observers:
             stats = observe(ir.to_model(ctx.graph), observers, self.data, self.batch_size, self.progress,
                             self.max_memory_mb)

@@ -387,3 +387,26 @@ def test_register_custom_observer():
 def test_classes_are_registered_under_their_names():
     for cls in (MinMaxObserver, EMAObserver, PercentileObserver, EntropyObserver, MSEObserver):
         assert isinstance(make_observer(cls.name), cls)
+
+
+@pytest.mark.parametrize("name", ["percentile", "entropy", "mse"])
+def test_strided_sampling_of_large_samples_is_batching_invariant_and_close(name):
+    rng = np.random.default_rng(7)
+    data = np.maximum(rng.laplace(size=(64, 8, 24, 24)), 0).astype(np.float32)  # 4608 values per sample
+
+    def observe(batch, limit):
+        obs = make_observer(name)
+        obs.rows_are_samples, obs.sample_limit = True, limit
+        for i in range(0, len(data), batch):
+            obs.update(data[i:i + batch])
+        return obs
+
+    one, sixteen = observe(1, 2304), observe(16, 2304)  # every 2nd value of each sample
+    assert one.range() == sixteen.range()
+    assert one.count == data.size  # each kept value stands for 2
+    full = observe(16, None).range()[1]
+    # as close to the full result as half of the samples taken whole (the method's own sampling noise) would be
+    half = make_observer(name)
+    for i in range(0, len(data), 2):
+        half.update(data[i:i + 1])
+    assert abs(one.range()[1] - full) <= max(2 * abs(half.range()[1] - full), 0.05 * full)

@@ -26,7 +26,10 @@ SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "p
              "quant_max", "min_scale", "zero_point", "rounding", "block_size"}
 # dtypes that QuantizeLinear/DequantizeLinear accept only from this opset on
 DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21, "float8e4m3": 19, "int4": 21, "uint4": 21}
-OP_KEYS = {"inputs", "output", "bias"}
+OP_KEYS = {"inputs", "output", "bias", "when"}
+# always: quantize wherever the op appears; inputs_quantized: only where every run-time input already arrives
+# quantized (e.g. a residual Add between quantized convs, not one on a transformer's float residual stream)
+WHEN_MODES = ("always", "inputs_quantized")
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class OpRule:
     inputs: dict[int | str, str]  # input index (or "*" for all) -> spec name
     output: str = "float"
     bias: str | None = None
+    when: str = "always"
 
     def spec_name_for(self, index: int) -> str | None:
         return self.inputs.get(index, self.inputs.get("*"))
@@ -82,7 +86,8 @@ class Target:
         lines += ["", "  ops:"]
         for op, r in self.ops.items():
             ins = ", ".join(f"{k}:{v}" for k, v in r.inputs.items())
-            lines.append(f"    {op:<22} inputs[{ins}] output={r.output}" + (f" bias={r.bias}" if r.bias else ""))
+            lines.append(f"    {op:<22} inputs[{ins}] output={r.output}" + (f" bias={r.bias}" if r.bias else "")
+                         + (f" when={r.when}" if r.when != "always" else ""))
         return "\n".join(lines)
 
 
@@ -224,7 +229,10 @@ def parse_target(raw: dict, where: str) -> Target:
         bias = oraw.get("bias")
         if bias is not None and bias not in BIAS_MODES:
             fail(f"{key}.bias", f"must be one of {', '.join(BIAS_MODES)}")
-        ops[op] = OpRule(inputs, output, bias)
+        when = oraw.get("when", "always")
+        if when not in WHEN_MODES:
+            fail(f"{key}.when", f"must be one of {', '.join(WHEN_MODES)}")
+        ops[op] = OpRule(inputs, output, bias, when)
     bias = raw.get("bias", "float")
     if bias not in BIAS_MODES:
         fail("bias", f"must be one of {', '.join(BIAS_MODES)}")

@@ -54,20 +54,18 @@ class _Planner:
         status = self.plan.status
         for node in self.graph.nodes:
             status[node.name] = (False, self._float_reason(node))
+        conditional = []
         for node in self.graph.nodes:
             if node.name in self.fused_into or status[node.name][1] != "":
                 continue
             rule = self.target.ops[node.op]
             if rule.output == "shared":
                 continue
-            if self._plan_inputs(node, rule):
-                status[node.name] = (True, "")
-            group = self.anchor_group.get(node.name)
-            if group is not None and status[node.name][0]:
-                self._plan_side_inputs(group)
-            if rule.output == "quantized" and status[node.name][0]:
-                out = group.output if group is not None else node.outputs[0]
-                self._request_output(out)
+            if rule.when == "inputs_quantized":
+                conditional.append(node)
+                continue
+            self._plan_node(node, rule)
+        self._plan_conditional(conditional)
         self._propagate_shared()
         self._plan_biases()
         for o in self.overrides:
@@ -81,6 +79,33 @@ class _Planner:
             if not q and not reason:
                 status[name] = (False, "no neighbour is quantized")
         return self.plan
+
+    def _plan_node(self, node: gs.Node, rule) -> None:
+        status = self.plan.status
+        if self._plan_inputs(node, rule):
+            status[node.name] = (True, "")
+        group = self.anchor_group.get(node.name)
+        if group is not None and status[node.name][0]:
+            self._plan_side_inputs(group)
+        if rule.output == "quantized" and status[node.name][0]:
+            self._request_output(group.output if group is not None else node.outputs[0])
+
+    def _plan_conditional(self, nodes: list[gs.Node]) -> None:
+        """Ops quantized only where every run-time float input already carries a Q/DQ for some other reader (so
+        reading it quantized adds no new rounding); repeated, since a quantized output can qualify the next op."""
+        pending = list(nodes)
+        changed = True
+        while changed and pending:
+            changed = False
+            for node in list(pending):
+                inputs = [t for t in node.inputs if t.name and ir.is_float(t) and ir.constant_value(t) is None]
+                ready = all(t.name in self.plan.activations for t in inputs)
+                if inputs and ready:
+                    self._plan_node(node, self.target.ops[node.op])
+                    pending.remove(node)
+                    changed = True
+        for node in pending:
+            self.plan.status[node.name] = (False, "inputs arrive in float (quantized only between quantized ops)")
 
     def _float_reason(self, node: gs.Node) -> str:
         if excluded(node, self.exclude):

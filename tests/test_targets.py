@@ -87,6 +87,7 @@ output = "float"
     ('name = "x"\nextends = "tensorrt"\n[ops.Conv]\ninputs = { 0 = "nope" }\n', "ops.Conv.inputs.0",
      "spec 'nope' is not defined"),
     ('name = "x"\nextends = "tensorrt"\n[ops.Conv]\noutput = "sometimes"\n', "ops.Conv.output", "must be one of"),
+    ('name = "x"\nextends = "tensorrt"\n[ops.Conv]\nwhen = "sometimes"\n', "ops.Conv.when", "must be one of"),
     ('name = "x"\nextends = "tensorrt"\nfusions = ["conv_magic"]\n', "fusions", "unknown fusion pattern 'conv_magic'"),
     ('name = "x"\nextends = "tensorrt"\n[specs.activation]\ndtype = "int16"\n', "specs.activation.dtype",
      "needs opset >= 21"),

@@ -44,6 +44,16 @@ class Observer:
         """Rough size of the observer's state (arrays by their buffers, anything else 8 bytes)."""
         return sum(v.nbytes if isinstance(v, np.ndarray) else 8 for v in vars(self).values())
 
+    def _extent(self, x: np.ndarray) -> tuple[float, float] | None:
+        """(min, max) of a batch, or None when there is nothing to take from it: empty, or NaN/inf (which marks
+        the observer `nonfinite`, so its range() turns NaN and calibration names the tensor)."""
+        if x.size == 0:
+            return None
+        ext = _batch_extent(x)
+        if ext is None:
+            self.nonfinite = True
+        return ext
+
 
 def _batch_extent(x: np.ndarray) -> tuple[float, float] | None:
     """(min, max) of a non-empty batch as Python floats; None when it holds NaN or inf."""
@@ -70,11 +80,8 @@ class MinMaxObserver(Observer):
 
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x)
-        if x.size == 0:
-            return
-        ext = _batch_extent(x)
+        ext = self._extent(x)
         if ext is None:
-            self.nonfinite = True
             return
         self.lo, self.hi = min(self.lo, ext[0]), max(self.hi, ext[1])
         self.count += x.size
@@ -121,11 +128,8 @@ class EMAObserver(Observer):
 
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x)
-        if x.size == 0:
-            return
-        ext = _batch_extent(x)
+        ext = self._extent(x)
         if ext is None:
-            self.nonfinite = True
             return
         if self.batches == 0:
             self.lo, self.hi = ext
@@ -228,11 +232,8 @@ class HistogramObserver(Observer):
     # -- Observer -----------------------------------------------------------------------------------------------
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x)
-        if x.size == 0:
-            return
-        ext = _batch_extent(x)
+        ext = self._extent(x)
         if ext is None:
-            self.nonfinite = True
             return
         before = self.count
         self.lo, self.hi = min(self.lo, ext[0]), max(self.hi, ext[1])

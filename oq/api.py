@@ -130,6 +130,11 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     if calib is None:
         raise OqError("no calibration data given: pass an .npz, a folder of .npz feeds or images, "
                       "'module:function', or 'random' (not recommended)")
+    already = sum(1 for n in proto.graph.node if n.op_type in ("QuantizeLinear", "DequantizeLinear",
+                                                                "DynamicQuantizeLinear") or n.op_type.startswith("QLinear"))
+    if already:
+        raise OqError(f"{name}: the model is already quantized ({already} quantization nodes); give oq the float "
+                      f"model (oq inspect --saturation checks an existing Q/DQ model)")
     data = open_calibration(calib, model_inputs(proto), calib_size, preprocess)
     ctx = Context(graph=ir.to_graph(proto), target=tgt, options=options, report=Report(model=name, target=tgt.name))
     if isinstance(data, RandomSource):

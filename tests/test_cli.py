@@ -117,3 +117,12 @@ def test_npz_folder_with_varying_shapes(tmp_path, model_paths):
     out = tmp_path / "q.onnx"
     assert main(["run", str(model_paths["transformer"]), "--calib", str(feeds), "-o", str(out), "-q"]) == 0
     assert out.exists()
+
+
+def test_already_quantized_model_is_refused(mlp, tmp_path, capsys):
+    root, model, calib = mlp
+    first = tmp_path / "q.onnx"
+    assert main(["run", str(model), "--calib", str(calib), "-o", str(first), "-q"]) == 0
+    assert main(["run", str(first), "--calib", str(calib), "-o", str(tmp_path / "qq.onnx"), "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already quantized" in err[0] and "give oq the float model" in err[0]

@@ -1,7 +1,6 @@
 """Calibration data sources, validated against the model's inputs before any run."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator

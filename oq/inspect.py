@@ -5,7 +5,6 @@ from collections import Counter
 
 import onnx
 
-from .data import model_inputs
 
 QDQ = ("QuantizeLinear", "DequantizeLinear")
 
@@ -29,7 +28,7 @@ def describe(model: onnx.ModelProto, path: str = "") -> str:
     lines = [f"model {path}", f"  ir_version {model.ir_version}; opsets: {opsets}; producer: "
              f"{model.producer_name or '?'} {model.producer_version}",
              f"  {len(g.node)} nodes, {len(g.initializer)} initializers "
-             f"({sum(onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize * max(1, int(__import__('numpy').prod(t.dims))) for t in g.initializer) / 1e6:.2f} MB)",
+             f"({sum(len(t.raw_data) or t.ByteSize() for t in g.initializer) / 1e6:.2f} MB)",
              "", "inputs:"]
     inits = {i.name for i in g.initializer}
     for vi in g.input:

@@ -8,8 +8,6 @@ import oq
 from conftest import run_onnx
 from oq import ir
 from oq.errors import OqError, PassError
-from oq.passes.fold_bn import FoldBatchNorm
-from oq.passes.fold_constants import FoldConstants
 from oq.passes.fuse_patterns import find_fusions
 from oq.passmanager import Context, FixedPoint, Pass, PassManager, PassResult
 from oq.report import Report

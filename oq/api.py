@@ -155,6 +155,11 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
     result_model = ir.to_model(ctx.graph, template=template)
     ir.pack_4bit(result_model, ctx.facts.get("packed", {}))
+    from . import __version__
+
+    result_model.producer_name, result_model.producer_version = "oq", __version__
+    onnx.helper.set_model_props(result_model, {**{p.key: p.value for p in result_model.metadata_props},
+                                               "oq.target": tgt.name})
     fakequant.attach(result_model)
     if export_format == "qoperator":
         if tgt.format != "qdq" or tgt.activation.dtype not in ("uint8", "int8"):

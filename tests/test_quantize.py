@@ -192,3 +192,9 @@ def test_onnxruntime_quantizes_residual_adds_only_between_quantized_ops(quantize
     _, held = calib_files["transformer"]
     got = run_onnx(quantized("transformer", "onnxruntime").model, held, optimize=True)
     assert sqnr_db(run_onnx(models.build("transformer"), held), got) >= 35.0  # vs 28.7 dB quantizing them
+
+
+def test_output_says_who_made_it_for_which_target(quantized):
+    model = quantized("mlp", "tensorrt").model
+    assert model.producer_name == "oq"
+    assert {p.key: p.value for p in model.metadata_props}["oq.target"] == "tensorrt"

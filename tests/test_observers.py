@@ -410,3 +410,22 @@ def test_strided_sampling_of_large_samples_is_batching_invariant_and_close(name)
     for i in range(0, len(data), 2):
         half.update(data[i:i + 1])
     assert abs(one.range()[1] - full) <= max(2 * abs(half.range()[1] - full), 0.05 * full)
+
+
+def test_quantization_error_prefers_the_finer_power_of_two_grid_for_thin_tails():
+    rng = np.random.default_rng(3)
+    bulk = rng.normal(0, 1, 100_000).astype(np.float32)
+    tail = np.array([40.0, -40.0], np.float32)  # two outliers set the range
+    obs = make_observer("percentile")
+    obs.update(np.concatenate([bulk, tail]))
+    from oq.spec import QuantSpec, qparams_from_range
+    qp = qparams_from_range(obs.lo, obs.hi, QuantSpec("int8", power_of_two=True))  # min/max: scale 0.5
+    coarse = obs.quantization_error(float(qp.scale), 0.0, -128, 127)
+    fine = obs.quantization_error(float(qp.scale) / 2, 0.0, -128, 127)
+    assert fine < coarse  # clipping two values costs less than doubling every other value's rounding error
+    # without the tail, halving the grid would clip the bulk itself: the covering scale wins
+    only_bulk = make_observer("percentile")
+    only_bulk.update(np.clip(bulk, -3, 3))
+    qp = qparams_from_range(only_bulk.lo, only_bulk.hi, QuantSpec("int8", power_of_two=True))
+    s = float(qp.scale)
+    assert only_bulk.quantization_error(s, 0.0, -128, 127) < only_bulk.quantization_error(s / 2, 0.0, -128, 127)

@@ -29,11 +29,9 @@ def cpu_flags() -> str:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown"
-    flags = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
+    from .saturation.cpu import cpu_flag_set
+
+    flags = cpu_flag_set(text)
     model = next((l.split(":", 1)[1].strip() for l in text.splitlines() if l.startswith("model name")), "?")
     have = [f for f in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
     return f"{model}; {' '.join(have) or 'no avx2'}"

@@ -43,15 +43,21 @@ def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
     return augmented
 
 
+def feed_symbols(input_types: dict, feed: dict[str, np.ndarray]) -> dict[str, int]:
+    """Symbolic dims of the graph inputs (name -> TypeProto.Tensor) resolved to the sizes in a feed."""
+    symbols: dict[str, int] = {}
+    for name, tt in input_types.items():
+        if name in feed:
+            for d, size in zip(tt.shape.dim, feed[name].shape):
+                if d.dim_param:
+                    symbols[d.dim_param] = size
+    return symbols
+
+
 def _elements_per_sample(model: onnx.ModelProto, names: list[str], feed: dict[str, np.ndarray]) -> dict[str, int]:
     """Estimated elements of each tensor for one sample, from inferred shapes with symbolic dims resolved from a
     feed; unknown dims count as 1 (an underestimate only for data-dependent shapes)."""
-    dims: dict[str, int] = {}
-    for vi in model.graph.input:
-        if vi.name in feed:
-            for d, size in zip(vi.type.tensor_type.shape.dim, feed[vi.name].shape):
-                if d.dim_param:
-                    dims[d.dim_param] = size
+    dims = feed_symbols({vi.name: vi.type.tensor_type for vi in model.graph.input}, feed)
     batch_dims = {vi.type.tensor_type.shape.dim[0].dim_param for vi in model.graph.input
                   if vi.type.tensor_type.shape.dim and vi.type.tensor_type.shape.dim[0].dim_param}
     shapes = {vi.name: vi.type.tensor_type.shape.dim for vi in model.graph.value_info}
@@ -101,12 +107,7 @@ class BoundRunner:
         self.inputs = {vi.name: vi.type.tensor_type for vi in model.graph.input}
 
     def _planned_buffers(self, feed: dict[str, np.ndarray]) -> list[np.ndarray] | None:
-        symbols: dict[str, int] = {}
-        for name, tt in self.inputs.items():
-            if name in feed:
-                for d, size in zip(tt.shape.dim, feed[name].shape):
-                    if d.dim_param:
-                        symbols[d.dim_param] = size
+        symbols = feed_symbols(self.inputs, feed)
         buffers = []
         for name in self.names:
             if name in feed:

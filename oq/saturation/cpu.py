@@ -14,6 +14,14 @@ CPU_WORDS = {
 }
 
 
+def cpu_flag_set(cpuinfo_text: str) -> set[str]:
+    """The flags of the first processor listed in /proc/cpuinfo text."""
+    for line in cpuinfo_text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
 def detect_cpu(cpuinfo: "str | Path" = "/proc/cpuinfo", machine: str | None = None) -> tuple[str, str]:
     """(kind, how it was found) for this machine: kind is one of vnni, avx2, avx512, arm64."""
     machine = (machine or platform.machine() or "").lower()
@@ -23,11 +31,7 @@ def detect_cpu(cpuinfo: "str | Path" = "/proc/cpuinfo", machine: str | None = No
         text = Path(cpuinfo).read_text()
     except OSError:
         return "avx2", "CPU flags unreadable (no /proc/cpuinfo): assumed avx2, the case that needs the guard"
-    flags: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.split(":", 1)[1].split())
-            break
+    flags = cpu_flag_set(text)
     for f in ("avx512_vnni", "avx_vnni", "amx_int8"):
         if f in flags:
             return "vnni", f"{f} in /proc/cpuinfo"

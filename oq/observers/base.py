@@ -9,9 +9,15 @@ from ..errors import OqError
 
 
 class Observer:
-    """Base: `update` with each batch, `merge` with another observer of the same kind, `range` for the qparams."""
+    """Base: `update` with each batch, `merge` with another observer of the same kind, `range` for the qparams.
+
+    `probe` says what calibration may compute inside onnxruntime instead of fetching whole tensors (oq.probes):
+    "full" (the default, for any observer: `update` gets every value), "extent" (`update_extent` gets each batch's
+    min and max) or "sample" (`update_sample` gets the exact extent plus a regular sub-grid of each sample).
+    """
 
     name = "base"
+    probe = "full"
 
     def update(self, x: np.ndarray) -> None:
         raise NotImplementedError
@@ -53,6 +59,7 @@ class MinMaxObserver(Observer):
     """
 
     name = "minmax"
+    probe = "extent"
 
     def __init__(self):
         self.lo = np.inf
@@ -63,10 +70,13 @@ class MinMaxObserver(Observer):
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x)
         ext = self._extent(x)
-        if ext is None:
-            return
-        self.lo, self.hi = min(self.lo, ext[0]), max(self.hi, ext[1])
-        self.count += x.size
+        if ext is not None:
+            self.update_extent(ext[0], ext[1], x.size)
+
+    def update_extent(self, lo: float, hi: float, count: int) -> None:
+        """A batch of `count` values whose min and max are lo and hi (finite)."""
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        self.count += count
 
     def merge(self, other: Observer) -> None:
         # Histogram observers track the exact min/max too, so they can be folded into a minmax one.
@@ -98,6 +108,7 @@ class EMAObserver(Observer):
     """
 
     name = "ema"
+    probe = "extent"
 
     def __init__(self, momentum: float = 0.9):
         momentum = float(momentum)
@@ -113,16 +124,18 @@ class EMAObserver(Observer):
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x)
         ext = self._extent(x)
-        if ext is None:
-            return
+        if ext is not None:
+            self.update_extent(ext[0], ext[1], x.size)
+
+    def update_extent(self, lo: float, hi: float, count: int) -> None:
         if self.batches == 0:
-            self.lo, self.hi = ext
+            self.lo, self.hi = lo, hi
         else:
             m = self.momentum
-            self.lo = m * self.lo + (1.0 - m) * ext[0]
-            self.hi = m * self.hi + (1.0 - m) * ext[1]
+            self.lo = m * self.lo + (1.0 - m) * lo
+            self.hi = m * self.hi + (1.0 - m) * hi
         self.batches += 1
-        self.count += x.size
+        self.count += count
 
     def merge(self, other: Observer) -> None:
         if not isinstance(other, EMAObserver):

@@ -33,6 +33,7 @@ class HistogramObserver(Observer):
     """
 
     name = "histogram"
+    probe = "sample"
 
     def __init__(self, bins: int = 2048, sample_limit: int | None = 65536):
         bins = int(bins)
@@ -85,12 +86,19 @@ class HistogramObserver(Observer):
         ext = self._extent(x)
         if ext is None:
             return
-        before = self.count
-        self.lo, self.hi = min(self.lo, ext[0]), max(self.hi, ext[1])
         weight = 1
         if self.rows_are_samples and self.sample_limit and x.ndim >= 2 and x[0].size > self.sample_limit:
             weight = -(-x[0].size // self.sample_limit)
             x = x.reshape(x.shape[0], -1)[:, ::weight]
+        self.update_sample(ext[0], ext[1], x, weight)
+
+    def update_sample(self, lo: float, hi: float, values: np.ndarray, weight: int = 1) -> None:
+        """A batch whose exact min and max are lo and hi (finite), represented by `values`, each standing for
+        `weight` values of the batch (a regular sub-grid of every sample, so the selection never depends on how
+        samples were batched)."""
+        before = self.count
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
+        x = values
         self.count += weight * x.size
         self.exact_zeros += weight * (x.size - int(np.count_nonzero(x)))
         amax = self._amax()

@@ -107,11 +107,13 @@ def _static_tail(tt: onnx.TypeProto.Tensor) -> list[int] | None:
 
 
 def _stride(tail: list[int], limit: int) -> int:
-    """Smallest stride s over the spatial axes with C * prod(ceil(d / s)) <= limit (or the coarsest grid)."""
+    """Smallest odd stride s over the spatial axes with C * prod(ceil(d / s)) <= limit (or the coarsest grid).
+    Odd, so that the sub-grid visits every phase of the 2-periodic patterns that stride-2 convolutions and 2x
+    upsampling leave in activations."""
     channels, spatial = tail[0], tail[1:]
     s = 1
     while channels * int(np.prod([-(-d // s) for d in spatial])) > limit and s < max(spatial):
-        s += 1
+        s += 2
     return s
 
 

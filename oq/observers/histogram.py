@@ -35,7 +35,7 @@ class HistogramObserver(Observer):
     name = "histogram"
     probe = "sample"
 
-    def __init__(self, bins: int = 2048, sample_limit: int | None = 65536):
+    def __init__(self, bins: int = 2048, sample_limit: int | None = 16384):
         bins = int(bins)
         if bins < 16:
             raise OqError(f"histogram bins must be at least 16, got {bins}")

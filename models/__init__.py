@@ -26,8 +26,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 REFERENCE_MODELS: tuple[str, ...] = ("resnet_mini", "mobilenet_mini", "decoder", "mlp", "transformer")
 CNN_MODELS: tuple[str, ...] = ("resnet_mini", "mobilenet_mini")
+# Built on demand by the benchmarks only (not part of every test's model set).
+BENCH_MODELS: tuple[str, ...] = ("transformer_wide",)
 
-assert set(REFERENCE_MODELS) == set(SPECS)
+assert set(REFERENCE_MODELS) | set(BENCH_MODELS) == set(SPECS)
 
 
 def load_torch(name: str) -> "torch.nn.Module":
@@ -38,6 +40,7 @@ def load_torch(name: str) -> "torch.nn.Module":
 
 
 __all__ = [
+    "BENCH_MODELS",
     "CACHE_ENV",
     "CNN_MODELS",
     "OPSET",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import REFERENCE_MODELS, SPECS, build, make_inputs
+from . import BENCH_MODELS, REFERENCE_MODELS, SPECS, build, make_inputs
 
 CALIB_SAMPLES, CALIB_SEED = 64, 0
 EVAL_SAMPLES, EVAL_SEED = 32, 1
@@ -38,14 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m models", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_exp = sub.add_parser("export", help="export model(s) to ONNX plus calibration/eval inputs")
-    p_exp.add_argument("name", choices=[*REFERENCE_MODELS, "all"])
+    p_exp.add_argument("name", choices=[*REFERENCE_MODELS, *BENCH_MODELS, "all"])
     p_exp.add_argument("-o", "--out", type=Path, default=Path("."), help="output directory (default: .)")
     p_exp.add_argument("--cache-dir", default=None, help="model cache (default: $OQ_MODEL_CACHE or <repo>/.cache/models)")
     sub.add_parser("list", help="list the reference models")
     args = parser.parse_args(argv)
 
     if args.cmd == "list":
-        for name in REFERENCE_MODELS:
+        for name in (*REFERENCE_MODELS, *BENCH_MODELS):
             print(f"{name:16s} {SPECS[name].description}")
         return 0
     names = list(REFERENCE_MODELS) if args.name == "all" else [args.name]

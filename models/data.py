@@ -141,6 +141,7 @@ _KIND = {
     "decoder": "latent",
     "mlp": "tabular",
     "transformer": "tokens",
+    "transformer_wide": "tokens",
 }
 
 
@@ -162,7 +163,7 @@ def _draw(name: str, n: int, seed: int, seq_len: int | None) -> tuple[np.ndarray
     if n < 0:
         raise ValueError("n must be >= 0")
     if seq_len is not None and kind != "tokens":
-        raise ValueError(f"seq_len only applies to the transformer, not {name!r}")
+        raise ValueError(f"seq_len only applies to the transformers, not {name!r}")
     seq = DEFAULT_SEQ_LEN if seq_len is None else int(seq_len)
     drawn = [_sample(kind, seed, i, seq) for i in range(n)]
     shape = tuple(seq if d == "seq" else d for d in spec.inputs[spec.input_name][1:])

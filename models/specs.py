@@ -63,6 +63,13 @@ SPECS: dict[str, ModelSpec] = {
         description="one pre-LN encoder block, 4 heads, hand-written attention "
         "(MatMul/Softmax), LayerNormalization, erf-GELU FFN",
     ),
+    "transformer_wide": ModelSpec(
+        "transformer_wide", seed=106,
+        inputs={"tokens": ("batch", "seq", 64)}, outputs={"hidden": ("batch", "seq", 64)},
+        has_batchnorm=False,
+        description="the encoder block at width 128 (FFN 512) between 64<->128 projections: wide enough for int8 "
+        "kernels to pay, for latency benchmarks",
+    ),
 }
 
 

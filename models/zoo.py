@@ -264,6 +264,19 @@ class TransformerBlock(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
+class WideTransformer(nn.Module):
+    """tokens [B,S,64] -> Linear to 128 -> encoder block (128 wide, 4 heads, FFN 512) -> Linear to 64, plus tokens."""
+
+    def __init__(self, dim: int = 128, heads: int = 4, ffn: int = 512):
+        super().__init__()
+        self.up = nn.Linear(64, dim)
+        self.block = TransformerBlock(dim, heads, ffn)
+        self.down = nn.Linear(dim, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens + self.down(self.block(self.up(tokens)))
+
+
 # --------------------------------------------------------------------------
 # Training
 # --------------------------------------------------------------------------
@@ -289,6 +302,7 @@ RECIPES: dict[str, Recipe] = {
     "decoder": Recipe(steps=200, batch=32, lr=1e-2, n_train=4096, channels_last=True),
     "mlp": Recipe(steps=2000, batch=64, lr=3e-3, n_train=16384),
     "transformer": Recipe(steps=600, batch=64, lr=5e-3, n_train=4096),
+    "transformer_wide": Recipe(steps=400, batch=64, lr=3e-3, n_train=4096),
 }
 assert set(RECIPES) == set(SPECS)
 
@@ -390,7 +404,7 @@ def evaluate(name: str, model: nn.Module, n: int = 512, seed: int = HELD_OUT_SEE
     out = model(x)
     if _is_classifier(name):
         return float((out.argmax(dim=1) == y).float().mean())
-    base = x if name == "transformer" else y.mean()
+    base = x if name.startswith("transformer") else y.mean()
     return float(1.0 - (out - y).pow(2).mean() / (y - base).pow(2).mean())
 
 
@@ -404,6 +418,7 @@ FACTORIES: dict[str, Callable[[], nn.Module]] = {
     "decoder": Decoder,
     "mlp": MLP,
     "transformer": TransformerBlock,
+    "transformer_wide": WideTransformer,
 }
 assert set(FACTORIES) == set(SPECS)
 

@@ -1,7 +1,7 @@
 """Benchmarks that print ratios measured in one run (never timed tests).
 
-    python -m oq.bench latency [--models resnet_mini mobilenet_mini] [--batch 32] [--repeats 50]
-    python -m oq.bench saturation [--models resnet_mini mobilenet_mini transformer] [--batch 32] [--qemu]
+    python -m oq.bench latency [--models resnet_mini mobilenet_mini transformer_wide] [--batch 32] [--repeats 50]
+    python -m oq.bench saturation [--models resnet_mini mobilenet_mini transformer transformer_wide] [--batch 32] [--qemu]
 
 latency: fp32 vs oq's onnxruntime-target output vs onnxruntime.quantization.quantize_static (its CPU defaults), all
 run with onnxruntime's default optimisations on this CPU; medians and ratios to fp32.
@@ -79,7 +79,7 @@ def latency(args) -> None:
 
     print(f"CPU: {cpu_flags()}; onnxruntime {ort.__version__}; threads {args.threads}; batch {args.batch}; "
           f"median of {args.repeats} runs")
-    print(f"{'model':<16}{'fp32 ms':>10}{'oq ms':>10}{'ort-q ms':>10}{'oq/fp32':>10}{'oq/ort-q':>10}")
+    print(f"{'model':<18}{'fp32 ms':>10}{'oq ms':>10}{'ort-q ms':>10}{'oq/fp32':>10}{'oq/ort-q':>10}")
     cases = []
     if args.model:
         data = dict(np.load(args.calib))
@@ -103,7 +103,7 @@ def latency(args) -> None:
                 for k, p in (("fp32", path), ("oq", oq_path), ("ortq", ortq_path)):
                     t[k].append(median_latency(p, feed, args.repeats, args.threads))
             fp, q, oq_ = (statistics.median(t[k]) * 1e3 for k in ("fp32", "oq", "ortq"))
-            print(f"{name:<16}{fp:>10.3f}{q:>10.3f}{oq_:>10.3f}{q / fp:>10.2f}{q / oq_:>10.2f}")
+            print(f"{name:<18}{fp:>10.3f}{q:>10.3f}{oq_:>10.3f}{q / fp:>10.2f}{q / oq_:>10.2f}")
 
 
 _QEMU_RUNNER = """
@@ -164,7 +164,7 @@ def saturation(args) -> None:
           "optimisations off; avx2-emul: fused kernels as an x86 CPU without VNNI computes them (numpy emulation, "
           "host-independent)" + ("; avx2-qemu: onnxruntime really run on AVX2 under qemu -cpu Haswell"
                                  if args.qemu else ""))
-    head = f"{'model':<16}{'variant':<22}{'fused':>8}{'unfused':>9}{'avx2-emul':>11}"
+    head = f"{'model':<18}{'variant':<22}{'fused':>8}{'unfused':>9}{'avx2-emul':>11}"
     head += f"{'avx2-qemu':>11}" if args.qemu else ""
     head += f"{'ms':>9}{'/fp32':>7}  weight channels reduced"
     print(head)
@@ -209,7 +209,7 @@ def saturation(args) -> None:
             print("(--qemu: qemu-x86_64 not found or failed; avx2-qemu column left empty)")
         for name, v, fused, unfused, emul, ms, ratio, note, ref in rows:
             cells = [f"{x:>8.2f}" if x is not None else f"{'':>8}" for x in (fused,)]
-            line = f"{name:<16}{v:<22}{cells[0]}"
+            line = f"{name:<18}{v:<22}{cells[0]}"
             line += f"{unfused:>9.2f}{emul:>11.2f}" if unfused is not None else f"{'':>9}{'':>11}"
             if args.qemu:
                 got = measured.get(f"{name}|{v}") if measured else None
@@ -231,7 +231,7 @@ def openvino_bench(args) -> None:
     core = ov.Core()
     print(f"CPU: {cpu_flags()}; OpenVINO {ov.__version__}; threads {args.threads}; batch {args.batch}; "
           f"median of {args.repeats} runs")
-    print(f"{'model':<16}{'fp32 ms':>10}{'int8 ms':>10}{'int8/fp32':>11}{'SQNR dB':>9}")
+    print(f"{'model':<18}{'fp32 ms':>10}{'int8 ms':>10}{'int8/fp32':>11}{'SQNR dB':>9}")
     config = {"INFERENCE_NUM_THREADS": args.threads}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -257,7 +257,7 @@ def openvino_bench(args) -> None:
                 outputs[k] = np.array(request.get_output_tensor(0).data)
             ref, got = outputs["fp32"].astype(np.float64), outputs["int8"].astype(np.float64)
             sqnr = 10 * np.log10((ref ** 2).sum() / max(((ref - got) ** 2).sum(), 1e-30))
-            print(f"{name:<16}{times['fp32']:>10.3f}{times['int8']:>10.3f}{times['int8'] / times['fp32']:>11.2f}"
+            print(f"{name:<18}{times['fp32']:>10.3f}{times['int8']:>10.3f}{times['int8'] / times['fp32']:>11.2f}"
                   f"{sqnr:>9.1f}")
 
 
@@ -265,7 +265,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m oq.bench")
     sub = p.add_subparsers(dest="what", required=True)
     lat = sub.add_parser("latency", help="fp32 vs oq (onnxruntime target) vs onnxruntime.quantization")
-    lat.add_argument("--models", nargs="+", default=["resnet_mini", "mobilenet_mini"])
+    lat.add_argument("--models", nargs="+", default=["resnet_mini", "mobilenet_mini", "transformer_wide"])
     lat.add_argument("--model", help="your own .onnx instead of the reference models")
     lat.add_argument("--calib", help=".npz calibration data for --model")
     lat.add_argument("--batch", type=int, default=32)
@@ -273,7 +273,8 @@ def main(argv=None) -> None:
     lat.add_argument("--threads", type=int, default=2)
     sat = sub.add_parser("saturation", help="u8 x s8 pair saturation without VNNI: oq cpu=auto/avx2 vs "
                                             "quantize_static (+reduce_range), accuracy and latency")
-    sat.add_argument("--models", nargs="+", default=["resnet_mini", "mobilenet_mini", "transformer"])
+    sat.add_argument("--models", nargs="+",
+                     default=["resnet_mini", "mobilenet_mini", "transformer", "transformer_wide"])
     sat.add_argument("--batch", type=int, default=32)
     sat.add_argument("--repeats", type=int, default=30)
     sat.add_argument("--threads", type=int, default=2)

@@ -1,7 +1,7 @@
 """Calibration benchmark: oq's streaming calibration vs onnxruntime.quantization, same model and data.
 
     python -m oq.benchcalib [--samples 64 1024] [--batch-size 16] [--methods minmax entropy percentile mse]
-                            [--model M.onnx --input NAME]
+                            [--repeats 3] [--model M.onnx --input NAME]
 
 Each measurement runs in a fresh child process (so peak RSS belongs to that run alone) and streams the same
 deterministic synthetic images, generated per batch, so the data set itself never sits in memory. Rows: the plain
@@ -91,13 +91,18 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _measure(what: str, method: str, model: str, input_name: str, shape, n: int, batch: int) -> dict:
+def _measure(what: str, method: str, model: str, input_name: str, shape, n: int, batch: int,
+             repeats: int = 1) -> dict:
+    """Median seconds and median peak memory over `repeats` fresh processes (the machine is noisy)."""
     cmd = [sys.executable, "-m", "oq.benchcalib", "--child", what, "--method", method, "--model", model,
            "--input", input_name, "--n", str(n), "--batch", str(batch), "--shape", *map(str, shape)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    runs = []
+    for _ in range(repeats):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return {key: float(np.median([r[key] for r in runs])) for key in ("seconds", "peak_mb")}
 
 
 def export_mobilenet_224(path: Path) -> None:
@@ -119,6 +124,7 @@ def main(argv=None) -> None:
     p.add_argument("--model", help="your .onnx (one float image input); default: mobilenet_mini at 224x224")
     p.add_argument("--input", default="input")
     p.add_argument("--shape", type=int, nargs=3, default=[3, 224, 224], help="C H W of one sample")
+    p.add_argument("--repeats", type=int, default=3, help="fresh processes per row; medians are printed")
     p.add_argument("--ort-max-samples", type=int, default=256,
                    help="skip onnxruntime.quantization's histogram methods above this many samples: they keep every "
                         "batch's outputs and exhaust memory (about 45 MB per 224x224 sample here)")
@@ -139,20 +145,21 @@ def main(argv=None) -> None:
             model = f"{tmp}/mobilenet_224.onnx"
             export_mobilenet_224(Path(model))
         print(f"CPU: {cpu_flags()}; model {args.model or 'mobilenet_mini@224'}; batch {args.batch_size}; "
-              f"each row a fresh process")
+              f"each row the median of {args.repeats} fresh processes")
         print(f"{'samples':>8} {'run':<18}{'seconds':>9}{'peak MB':>9}{'x fp32 time':>12}{'oq vs ort time':>16}"
               f"{'oq vs ort mem':>15}")
         for n in args.samples:
-            base = _measure("fp32", "-", model, args.input, args.shape, n, args.batch_size)
+            rep = args.repeats
+            base = _measure("fp32", "-", model, args.input, args.shape, n, args.batch_size, rep)
             print(f"{n:>8} {'fp32 pass':<18}{base['seconds']:>9.2f}{base['peak_mb']:>9.0f}")
             for method in args.methods:
-                mine = _measure("oq", method, model, args.input, args.shape, n, args.batch_size)
+                mine = _measure("oq", method, model, args.input, args.shape, n, args.batch_size, rep)
                 if not ORT_METHODS[method]:
                     theirs = {"error": "no matching method"}
                 elif method != "minmax" and n > args.ort_max_samples:
                     theirs = {"error": f"skipped above --ort-max-samples {args.ort_max_samples}"}
                 else:
-                    theirs = _measure("ort", method, model, args.input, args.shape, n, args.batch_size)
+                    theirs = _measure("ort", method, model, args.input, args.shape, n, args.batch_size, rep)
                 if "error" in mine:
                     print(f"{n:>8} {'oq ' + method:<18} error: {mine['error']}")
                     continue

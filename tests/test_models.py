@@ -371,3 +371,21 @@ def test_cli_export(tmp_path, cache_dir, capsys):
     assert calib["input"].shape == (64, 64) and held_out["input"].shape == (32, 64)
     np.testing.assert_array_equal(calib["input"], make_inputs("mlp", 64, seed=0)["input"])
     np.testing.assert_array_equal(held_out["input"], make_inputs("mlp", 32, seed=1)["input"])
+
+
+def test_bench_transformer_builds_trains_and_quantizes_accurately(cache_dir, tmp_path):
+    """The wide encoder block the latency benchmarks use: not in every test's model set, so checked once here."""
+    import oq
+    from conftest import run_onnx, sqnr_db
+
+    assert set(models.BENCH_MODELS) == {"transformer_wide"}
+    path = build("transformer_wide", cache_dir)
+    proto = onnx.load(str(path))
+    assert {"MatMul", "Softmax", "LayerNormalization", "Erf"} <= set(_ops(proto))
+    held_out = make_inputs("transformer_wide", 16, seed=1)
+    ref = run_onnx(str(path), held_out)
+    torch_out = load_torch("transformer_wide")(torch.from_numpy(held_out["tokens"])).detach().numpy()
+    np.testing.assert_allclose(ref, torch_out, atol=1e-4, rtol=1e-4)
+    np.savez(tmp_path / "calib.npz", **make_inputs("transformer_wide", 32))
+    q = oq.quantize(path, "onnxruntime", tmp_path / "calib.npz", progress=False)
+    assert sqnr_db(ref, run_onnx(q.model, held_out, optimize=True)) >= 25.0

@@ -29,6 +29,8 @@ class Options:
     # deployment CPU for targets whose kernels depend on it (onnxruntime: u8 x s8 pair saturation without VNNI):
     # auto (this machine), vnni, avx2, avx512 (without VNNI), arm64. See oq/passes/saturation.py.
     cpu: str = "auto"
+    # cross-layer equalization before quantizing; None: as the target says
+    equalize: bool | None = None
 
 
 @dataclass
@@ -68,15 +70,16 @@ def prepare_passes(min_opset: int = 13):
             InferShapes()]
 
 
-def quantize_passes(data: CalibrationData, options: Options):
+def quantize_passes(data: CalibrationData, options: Options, equalize: bool = False):
     from .passes.annotate import Annotate
     from .passes.calibrate import Calibrate
+    from .passes.equalize import CrossLayerEqualization
     from .passes.finalize import Finalize
     from .passes.fuse_patterns import FusePatterns
     from .passes.insert_qdq import InsertQDQ
     from .passes.saturation import GuardSaturation
 
-    return [FusePatterns(), Annotate(),
+    return [*([CrossLayerEqualization()] if equalize else []), FusePatterns(), Annotate(),
             Calibrate(data, options.batch_size, options.calib_method, options.progress, options.max_memory_mb,
                       {"percentile": options.percentile} if options.percentile is not None else {}),
             GuardSaturation(data, options.cpu, options.batch_size),
@@ -102,7 +105,7 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
              weight_bits: int | None = None, act_bits: int | None = None,
              progress: bool = True,
              preprocess: str | None = None, max_memory_mb: float | None = None, percentile: float | None = None,
-             cpu: str = "auto", export_format: str = "qdq",
+             cpu: str = "auto", export_format: str = "qdq", equalize: bool | None = None,
              output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
@@ -114,10 +117,12 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     entries changing the spec on matching nodes (see oq.overrides); ones the target can't honour are reported.
     cpu: the deployment CPU (auto, vnni, avx2, avx512, arm64); for the onnxruntime target a CPU without VNNI gets
     the weight channels whose int16 product pairs saturate re-quantized (a model made for avx2 is safe everywhere).
+    equalize: cross-layer equalization (rescaling channels between consecutive Conv/ConvTranspose/Gemm layers so
+    per-tensor weight grids fit them); None leaves it to the target (on for vitis).
     Returns QuantResult(model, report, target); with `output`, the model is also written there atomically.
     """
     options = Options(batch_size, calib_size, calib_method, list(exclude), progress, preprocess, max_memory_mb,
-                      percentile, list(overrides), cpu=cpu)
+                      percentile, list(overrides), cpu=cpu, equalize=equalize)
     if batch_size < 1:
         raise OqError(f"batch size must be >= 1, got {batch_size}")
     from .saturation import CPU_CHOICES
@@ -149,7 +154,8 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
            for i in template_inputs) and min_opset < 19:
         min_opset = 19  # Q/DQ on float16/bfloat16 tensors exists from opset 19
         ctx.report.warnings.append("float16 model: output upgraded to opset 19 for float16 Q/DQ")
-    PassManager(prepare_passes(min_opset) + quantize_passes(data, options)).run(ctx)
+    equalize = tgt.cross_layer_equalization if options.equalize is None else options.equalize
+    PassManager(prepare_passes(min_opset) + quantize_passes(data, options, equalize)).run(ctx)
     op_of = {n.name: n.op for n in ctx.graph.nodes}
     for node_name, (quantized, reason) in ctx.plan.status.items():
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))

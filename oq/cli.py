@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="deployment CPU for the onnxruntime target: without VNNI (avx2, avx512) weight channels "
                           "whose int16 product pairs saturate get coarser scales (down to 7 bits); a model made for "
                           "avx2 is safe everywhere (default: auto, this machine)")
+    run.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=None,
+                     help="cross-layer equalization before quantizing (default: as the target says; on for vitis and "
+                          "qnn, whose weights are per tensor)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
 
     tg = sub.add_parser("targets", help="list built-in targets, or show one")
@@ -67,7 +70,7 @@ def _run(args) -> int:
                       export_format=args.format,
                       progress=not args.quiet,
                       preprocess=args.preprocess, max_memory_mb=args.max_memory,
-                      percentile=args.percentile, cpu=args.cpu)
+                      percentile=args.percentile, cpu=args.cpu, equalize=args.equalize)
     result.save(args.output)
     if args.report:
         from .ir import write_atomic

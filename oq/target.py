@@ -19,7 +19,8 @@ except ModuleNotFoundError:  # Python < 3.11
 OUTPUT_MODES = ("float", "quantized", "shared")
 BIAS_MODES = ("float", "int32")
 TOP_KEYS = {"name", "description", "extends", "fusions", "quantize_fusion_side_inputs", "quantize_graph_outputs",
-            "bias", "opset_min", "specs", "ops", "activation_spec", "side_files", "u8s8_saturation", "format"}
+            "bias", "opset_min", "specs", "ops", "activation_spec", "side_files", "u8s8_saturation", "format",
+            "cross_layer_equalization"}
 FORMATS = ("qdq", "fakequant")  # fakequant: oq.FakeQuant model-local functions, any bit width
 SATURATION_MODES = ("ignore", "guard")  # guard: see oq/passes/saturation.py (x86 CPUs without VNNI)
 SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two", "quant_min",
@@ -58,6 +59,8 @@ class Target:
     side_files: list[str] = field(default_factory=list)
     format: str = "qdq"
     u8s8_saturation: str = "ignore"
+    # rescale channels between consecutive layers before quantizing (passes/equalize.py): pays with per-tensor weights
+    cross_layer_equalization: bool = False
     source: str = "built-in"
 
     def spec(self, name: str) -> QuantSpec:
@@ -76,7 +79,8 @@ class Target:
                  f"  fusion side inputs quantized: {self.quantize_fusion_side_inputs}; "
                  f"graph outputs quantized: {self.quantize_graph_outputs}",
                  f"  format: {self.format}; side files: {', '.join(self.side_files) or 'none'}; "
-                 f"u8s8 saturation: {self.u8s8_saturation}", "", "  specs:"]
+                 f"u8s8 saturation: {self.u8s8_saturation}; "
+                 f"cross-layer equalization: {self.cross_layer_equalization}", "", "  specs:"]
         for name, s in self.specs.items():
             qmin, qmax = s.qrange
             lines.append(f"    {name:<12} {s.dtype:<6} {'symmetric' if s.symmetric else 'asymmetric':<10} "
@@ -257,6 +261,9 @@ def parse_target(raw: dict, where: str) -> Target:
     saturation = raw.get("u8s8_saturation", "ignore")
     if saturation not in SATURATION_MODES:
         fail("u8s8_saturation", f"must be one of {', '.join(SATURATION_MODES)}")
+    cle = raw.get("cross_layer_equalization", False)
+    if not isinstance(cle, bool):
+        fail("cross_layer_equalization", "must be true or false")
     fusions = list(raw.get("fusions", []))
     for f in fusions:
         if f not in FUSION_PATTERNS:
@@ -265,4 +272,4 @@ def parse_target(raw: dict, where: str) -> Target:
                   quantize_fusion_side_inputs=bool(raw.get("quantize_fusion_side_inputs", False)),
                   quantize_graph_outputs=bool(raw.get("quantize_graph_outputs", False)), bias=bias,
                   opset_min=opset_min, activation_spec=act, side_files=side_files, format=fmt,
-                  u8s8_saturation=saturation, source=where)
+                  u8s8_saturation=saturation, cross_layer_equalization=cle, source=where)

@@ -15,7 +15,9 @@ from oq.target import builtin_names, load_target
 
 # Power-of-two per-tensor weight scales cost Vitis accuracy on the decoder, whose grouped ConvTranspose channels
 # differ in scale (measured 23.6 dB); every other pair reaches 25 dB at 8 bits.
-MIN_SQNR_DB = {("vitis", "decoder"): 22.5}
+# per-tensor power-of-two weights: 25.3 dB measured with cross-layer equalization (23.6 without); a little margin for
+# other CPUs' float rounding in training
+MIN_SQNR_DB = {("vitis", "decoder"): 24.5}
 # FP8 E4M3 keeps 3 mantissa bits: a relative error per value that int8 only reaches near its range limits
 # (measured 20-34 dB on the reference models; 25 dB on three of five is out of reach for plain PTQ in FP8).
 MIN_SQNR_DB.update({("tensorrt_fp8", "resnet_mini"): 22.0, ("tensorrt_fp8", "mobilenet_mini"): 21.0,

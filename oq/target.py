@@ -20,7 +20,7 @@ OUTPUT_MODES = ("float", "quantized", "shared")
 BIAS_MODES = ("float", "int32")
 TOP_KEYS = {"name", "description", "extends", "fusions", "quantize_fusion_side_inputs", "quantize_graph_outputs",
             "bias", "opset_min", "specs", "ops", "activation_spec", "side_files", "u8s8_saturation", "format",
-            "cross_layer_equalization"}
+            "cross_layer_equalization", "float_output_layers"}
 FORMATS = ("qdq", "fakequant")  # fakequant: oq.FakeQuant model-local functions, any bit width
 SATURATION_MODES = ("ignore", "guard")  # guard: see oq/passes/saturation.py (x86 CPUs without VNNI)
 SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "power_of_two", "quant_min",
@@ -61,6 +61,8 @@ class Target:
     u8s8_saturation: str = "ignore"
     # rescale channels between consecutive layers before quantizing (passes/equalize.py): pays with per-tensor weights
     cross_layer_equalization: bool = False
+    # keep the weighted layers that produce the graph outputs in float (where the format's error lands unfiltered)
+    float_output_layers: bool = False
     source: str = "built-in"
 
     def spec(self, name: str) -> QuantSpec:
@@ -80,7 +82,8 @@ class Target:
                  f"graph outputs quantized: {self.quantize_graph_outputs}",
                  f"  format: {self.format}; side files: {', '.join(self.side_files) or 'none'}; "
                  f"u8s8 saturation: {self.u8s8_saturation}; "
-                 f"cross-layer equalization: {self.cross_layer_equalization}", "", "  specs:"]
+                 f"cross-layer equalization: {self.cross_layer_equalization}; "
+                 f"output layers float: {self.float_output_layers}", "", "  specs:"]
         for name, s in self.specs.items():
             qmin, qmax = s.qrange
             lines.append(f"    {name:<12} {s.dtype:<6} {'symmetric' if s.symmetric else 'asymmetric':<10} "
@@ -264,6 +267,9 @@ def parse_target(raw: dict, where: str) -> Target:
     cle = raw.get("cross_layer_equalization", False)
     if not isinstance(cle, bool):
         fail("cross_layer_equalization", "must be true or false")
+    float_out = raw.get("float_output_layers", False)
+    if not isinstance(float_out, bool):
+        fail("float_output_layers", "must be true or false")
     fusions = list(raw.get("fusions", []))
     for f in fusions:
         if f not in FUSION_PATTERNS:
@@ -272,4 +278,5 @@ def parse_target(raw: dict, where: str) -> Target:
                   quantize_fusion_side_inputs=bool(raw.get("quantize_fusion_side_inputs", False)),
                   quantize_graph_outputs=bool(raw.get("quantize_graph_outputs", False)), bias=bias,
                   opset_min=opset_min, activation_spec=act, side_files=side_files, format=fmt,
-                  u8s8_saturation=saturation, cross_layer_equalization=cle, source=where)
+                  u8s8_saturation=saturation, cross_layer_equalization=cle,
+                  float_output_layers=float_out, source=where)

@@ -13,6 +13,26 @@ from oq.plan import ALL_CONSUMERS, ActivationQuant, BiasQuant, QuantPlan, Weight
 from oq.target import Target
 
 
+def output_layers(graph: gs.Graph) -> set[str]:
+    """Names of the weighted layers (Conv, ConvTranspose, Gemm, MatMul with a constant weight) whose result reaches a
+    graph output without passing through another weighted layer: the model's last layers."""
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = [t for t in graph.outputs]
+    while stack:
+        tensor = stack.pop()
+        node = ir.producer(tensor)
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        widx = WEIGHT_OPS.get(node.op)
+        if widx is not None and len(node.inputs) > widx and ir.constant_value(node.inputs[widx]) is not None:
+            found.add(node.name)
+            continue
+        stack.extend(t for t in node.inputs if ir.is_float(t) and ir.constant_value(t) is None)
+    return found
+
+
 def excluded(node: gs.Node, patterns: list[str]) -> bool:
     """--exclude entries match a node name, an op type, or (as a regex) a node name."""
     return any(matches(node, p) for p in patterns)
@@ -42,6 +62,7 @@ class _Planner:
         self.warnings: list[str] = []
         self._used_overrides: set[str] = set()
         self.uses = ir.UseIndex(graph)
+        self.last_layers = output_layers(graph) if target.float_output_layers else set()
         self.plan = QuantPlan()
         self.fused_into: dict[str, object] = {}
         self.anchor_group: dict[str, object] = {}
@@ -110,6 +131,8 @@ class _Planner:
     def _float_reason(self, node: gs.Node) -> str:
         if excluded(node, self.exclude):
             return "excluded by --exclude"
+        if node.name in self.last_layers:
+            return "an output layer (the target keeps the model's last weighted layers in float)"
         if node.op not in self.target.ops:
             if ir.has_subgraph(node):
                 return f"control flow ({node.op}): its subgraphs stay float"

@@ -78,12 +78,13 @@ def quantize_passes(data: CalibrationData, options: Options, equalize: bool = Fa
     from .passes.fuse_patterns import FusePatterns
     from .passes.insert_qdq import InsertQDQ
     from .passes.saturation import GuardSaturation
+    from .passes.sink_activation import SinkActivationBelowMaxPool
 
     return [*([CrossLayerEqualization()] if equalize else []), FusePatterns(), Annotate(),
             Calibrate(data, options.batch_size, options.calib_method, options.progress, options.max_memory_mb,
                       {"percentile": options.percentile} if options.percentile is not None else {}),
             GuardSaturation(data, options.cpu, options.batch_size),
-            InsertQDQ(), Finalize()]
+            InsertQDQ(), SinkActivationBelowMaxPool(), Finalize()]
 
 
 def _load(model) -> tuple[onnx.ModelProto, str]:

@@ -27,7 +27,7 @@ SPEC_KEYS = {"dtype", "symmetric", "narrow_range", "granularity", "observer", "p
              "quant_max", "min_scale", "zero_point", "rounding", "block_size"}
 # dtypes that QuantizeLinear/DequantizeLinear accept only from this opset on
 DTYPE_MIN_OPSET = {"int16": 21, "uint16": 21, "float8e4m3": 19, "int4": 21, "uint4": 21}
-OP_KEYS = {"inputs", "output", "bias", "when"}
+OP_KEYS = {"inputs", "output", "bias", "when", "min_input_channels"}
 # always: quantize wherever the op appears; inputs_quantized: only where every run-time input already arrives
 # quantized (e.g. a residual Add between quantized convs, not one on a transformer's float residual stream)
 WHEN_MODES = ("always", "inputs_quantized")
@@ -39,6 +39,8 @@ class OpRule:
     output: str = "float"
     bias: str | None = None
     when: str = "always"
+    # Conv/ConvTranspose with fewer input channels stay float: the backend's int8 kernel is slower there (an RGB stem)
+    min_input_channels: int = 0
 
     def spec_name_for(self, index: int) -> str | None:
         return self.inputs.get(index, self.inputs.get("*"))
@@ -94,7 +96,8 @@ class Target:
         for op, r in self.ops.items():
             ins = ", ".join(f"{k}:{v}" for k, v in r.inputs.items())
             lines.append(f"    {op:<22} inputs[{ins}] output={r.output}" + (f" bias={r.bias}" if r.bias else "")
-                         + (f" when={r.when}" if r.when != "always" else ""))
+                         + (f" when={r.when}" if r.when != "always" else "")
+                         + (f" min_input_channels={r.min_input_channels}" if r.min_input_channels else ""))
         return "\n".join(lines)
 
 
@@ -239,7 +242,12 @@ def parse_target(raw: dict, where: str) -> Target:
         when = oraw.get("when", "always")
         if when not in WHEN_MODES:
             fail(f"{key}.when", f"must be one of {', '.join(WHEN_MODES)}")
-        ops[op] = OpRule(inputs, output, bias, when)
+        min_channels = oraw.get("min_input_channels", 0)
+        if not isinstance(min_channels, int) or isinstance(min_channels, bool) or min_channels < 0:
+            fail(f"{key}.min_input_channels", "must be a non-negative integer")
+        if min_channels and op not in ("Conv", "ConvTranspose"):
+            fail(f"{key}.min_input_channels", "applies to Conv and ConvTranspose only")
+        ops[op] = OpRule(inputs, output, bias, when, min_channels)
     bias = raw.get("bias", "float")
     if bias not in BIAS_MODES:
         fail("bias", f"must be one of {', '.join(BIAS_MODES)}")

@@ -33,6 +33,14 @@ def output_layers(graph: gs.Graph) -> set[str]:
     return found
 
 
+def _input_channels(node: gs.Node) -> int | None:
+    """Input channels of a Conv (weight [M, C/group, ...]) or ConvTranspose (weight [C, M/group, ...])."""
+    shape = node.inputs[1].shape if len(node.inputs) > 1 else None
+    if not shape or not all(isinstance(d, int) for d in shape[:2]):
+        return None
+    return shape[1] * node.attrs.get("group", 1) if node.op == "Conv" else shape[0]
+
+
 def excluded(node: gs.Node, patterns: list[str]) -> bool:
     """--exclude entries match a node name, an op type, or (as a regex) a node name."""
     return any(matches(node, p) for p in patterns)
@@ -88,6 +96,11 @@ class _Planner:
             self._plan_node(node, rule)
         self._plan_conditional(conditional)
         self._propagate_shared()
+        for node in self.graph.nodes:
+            rule = self.target.ops.get(node.op)
+            if (rule is not None and rule.output == "shared" and rule.when == "inputs_quantized"
+                    and self.plan.status[node.name] == (False, "") and node.outputs[0].name in self.plan.activations):
+                self.plan.status[node.name] = (False, "inputs arrive in float (quantized only between quantized ops)")
         self._plan_biases()
         for o in self.overrides:
             if o.text not in self._used_overrides:
@@ -139,6 +152,10 @@ class _Planner:
             if node.inputs and not any(ir.is_float(t) for t in node.inputs):
                 return "shape/index path (no float input)"
             return f"op {node.op} not quantized by target {self.target.name}"
+        need = self.target.ops[node.op].min_input_channels
+        channels = _input_channels(node) if need else None
+        if channels is not None and channels < need:
+            return f"{channels} input channels < {need}: the target's int8 kernel is slower than float there"
         return ""
 
     def _plan_inputs(self, node: gs.Node, rule) -> bool:
@@ -221,9 +238,18 @@ class _Planner:
             return
         self._request(tensor.name, self.target.activation, ALL_CONSUMERS)
 
+    def _produced_quantized(self, tensor: gs.Tensor) -> bool:
+        node = ir.producer(tensor)
+        if node is None:
+            return False
+        group = self.fused_into.get(node.name)
+        return self.plan.status[(group.anchor if group is not None else node).name][0]
+
     def _propagate_shared(self) -> None:
         """Ops that run on quantized data without changing its scale (pooling, Concat, ...) are quantized only next
-        to quantized neighbours: when their output is quantized, their inputs share its qparams."""
+        to quantized neighbours: when their output is quantized, their inputs share its qparams. With
+        when = "inputs_quantized", only if their inputs also come from quantized ops; else they run in float and
+        quantization starts after them."""
         shared_nodes = [n for n in self.graph.nodes
                         if self.plan.status[n.name] == (False, "") and self.target.ops[n.op].output == "shared"]
         changed = True
@@ -234,6 +260,10 @@ class _Planner:
                 if self.plan.status[node.name][0] or out.name not in self.plan.activations:
                     continue
                 rule = self.target.ops[node.op]
+                if rule.when == "inputs_quantized" and not all(
+                        self._produced_quantized(t) or t.name in self.plan.activations
+                        for t in node.inputs if t.name and ir.is_float(t) and ir.constant_value(t) is None):
+                    continue
                 for idx, tensor in enumerate(node.inputs):
                     if rule.spec_name_for(idx) is None or not ir.is_float(tensor) or ir.constant_value(tensor) is not None:
                         continue

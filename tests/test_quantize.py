@@ -151,19 +151,33 @@ def test_onnxruntime_target_fuses_into_integer_kernels(name, quantized, tmp_path
     so.optimized_model_filepath = str(tmp_path / "opt.onnx")
     ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     ops = [n.op_type for n in onnx.load(str(tmp_path / "opt.onnx")).graph.node]
-    n_conv = sum(1 for n in onnx.load(str(models.build(name))).graph.node if n.op_type == "Conv")
-    assert ops.count("QLinearConv") == n_conv and "Conv" not in ops
+    fp32 = onnx.load(str(models.build(name)))
+    shapes = {i.name: list(i.dims) for i in fp32.graph.initializer}
+    channels = [shapes[n.input[1]][1] * next((a.i for a in n.attribute if a.name == "group"), 1)
+                for n in fp32.graph.node if n.op_type == "Conv"]
+    # the RGB stem (3 input channels) stays float: QLinearConv is slower than float there
+    assert ops.count("QLinearConv") == sum(c >= 4 for c in channels) and ops.count("Conv") == sum(c < 4 for c in channels)
+    assert "Relu" not in ops and "Clip" not in ops  # every activation absorbed by a kernel or a QuantizeLinear
+    if "MaxPool" in ops:  # float pooling after the float stem, quantized after it (not hoisted above)
+        assert ops.index("MaxPool") < ops.index("QuantizeLinear")
 
 
 def test_onnxruntime_target_int32_bias(quantized):
-    g = Graph(quantized("resnet_mini", "onnxruntime").model)
+    result = quantized("resnet_mini", "onnxruntime")
+    g = Graph(result.model)
+    checked = 0
     for conv in g.of("Conv"):
+        if not result.report.node_status(conv.name).quantized:
+            assert "input channels < 4" in result.report.node_status(conv.name).reason  # the RGB stem
+            continue
+        checked += 1
         x_dq, w_dq, b_dq = (g.dq_feeding(conv, i) for i in range(3))
         assert g.const(x_dq.input[2]).dtype == np.uint8
         assert g.const(w_dq.input[0]).dtype == np.int8
         b_scale = g.const(b_dq.input[1])
         assert g.const(b_dq.input[0]).dtype == np.int32
         np.testing.assert_allclose(b_scale, g.const(x_dq.input[1]) * g.const(w_dq.input[1]), rtol=1e-6)
+    assert checked == len(g.of("Conv")) - 1
 
 
 def test_report_explains_float_nodes(quantized):

@@ -34,19 +34,6 @@ def _session(model: onnx.ModelProto, workdir: Path) -> ort.InferenceSession:
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """A shallow variant of the model that also returns the named tensors."""
-    augmented = onnx.ModelProto()
-    augmented.CopyFrom(model)
-    present = {o.name for o in augmented.graph.output}
-    known = {vi.name: vi.type.tensor_type.elem_type for vi in augmented.graph.value_info}
-    for name in names:
-        if name not in present:
-            elem = known.get(name) or onnx.TensorProto.FLOAT
-            augmented.graph.output.append(helper.make_tensor_value_info(name, elem, None))
-    return augmented
-
-
 def feed_symbols(input_types: dict, feed: dict[str, np.ndarray]) -> dict[str, int]:
     """Symbolic dims of the graph inputs (name -> TypeProto.Tensor) resolved to the sizes in a feed."""
     symbols: dict[str, int] = {}

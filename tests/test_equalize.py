@@ -1,6 +1,5 @@
 """Cross-layer equalization: the function is unchanged and the channel ranges of each pair end equal."""
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

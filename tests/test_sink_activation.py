@@ -1,6 +1,5 @@
 """Float activations move below a MaxPool they alone feed; the onnxruntime target keeps an RGB stem float."""
 import numpy as np
-import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 

@@ -37,8 +37,7 @@ def _session(model: onnx.ModelProto):
 
 def _with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
     """A copy of the model that also returns the named tensors (not already inputs or outputs), typed from its
-    value_info or shape inference where known, else left for onnxruntime to infer (unlike
-    oq.calibrate.with_outputs, which only ever adds float tensors)."""
+    value_info or shape inference where known, else left for onnxruntime to infer."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     present = {o.name for o in m.graph.output} | {i.name for i in m.graph.input}

@@ -1,11 +1,14 @@
 """Calibration benchmark: oq's streaming calibration vs onnxruntime.quantization, same model and data.
 
     python -m oq.benchcalib [--samples 64 1024] [--batch-size 16] [--methods minmax entropy percentile mse]
-                            [--repeats 3] [--model M.onnx --input NAME]
+                            [--repeats 3] [--model M.onnx [--calib DATA.npz | --input NAME --shape C H W]]
+                            [--reference resnet_mini]
 
-Each measurement runs in a fresh child process (so peak RSS belongs to that run alone) and streams the same
-deterministic synthetic images, generated per batch, so the data set itself never sits in memory. Rows: the plain
-fp32 onnxruntime pass over the data, oq (tensorrt target) with each method, onnxruntime.quantization.quantize_static
+Each measurement runs in a fresh child process (so peak RSS belongs to that run alone). Data: by default the same
+deterministic synthetic images, generated per batch, so the data set itself never sits in memory; with --calib, the
+samples stacked along axis 0 of your .npz (every row loads it, so its size counts in every row alike; --samples is
+capped at its length); --reference NAME takes a reference model and its own inputs. Rows: the plain fp32
+onnxruntime pass over the data, oq (tensorrt target) with each method, onnxruntime.quantization.quantize_static
 (QDQ, its defaults) with the matching CalibrationMethod. Default model: the trained mobilenet_mini re-exported at
 224x224 (its convolutions and global pooling take any size).
 """
@@ -40,23 +43,33 @@ def feeds(name: str, n: int, batch: int, shape):
         yield {name: synthetic_batch(0, start, min(batch, n - start), shape)}
 
 
+def _stream(args, batch: int):
+    """Feeds of `batch` samples (the last one shorter): from --calib when given, else synthetic images."""
+    if not args.calib:
+        yield from feeds(args.input, args.n, batch, tuple(args.shape))
+        return
+    with np.load(args.calib) as npz:
+        data = {k: npz[k] for k in npz.files}
+    for start in range(0, args.n, batch):
+        yield {k: v[start:min(start + batch, args.n)] for k, v in data.items()}
+
+
 def _child(args) -> dict:
     """One measurement; prints JSON with wall seconds and peak RSS."""
     import onnxruntime as ort
 
-    shape = tuple(args.shape)
     start = time.perf_counter()
     if args.what == "fp32":
         so = ort.SessionOptions()
         so.log_severity_level = 3
         sess = ort.InferenceSession(args.model, so, providers=["CPUExecutionProvider"])
-        for feed in feeds(args.input, args.n, args.batch, shape):
+        for feed in _stream(args, args.batch):
             sess.run(None, feed)
     elif args.what == "oq":
         import oq
 
         def source():  # one sample at a time: oq groups them into batches itself
-            yield from feeds(args.input, args.n, 1, shape)
+            yield from _stream(args, 1)
         oq.quantize(args.model, "tensorrt", source, batch_size=args.batch, calib_method=args.method, progress=False)
     else:
         import logging
@@ -66,7 +79,7 @@ def _child(args) -> dict:
 
         class Reader(CalibrationDataReader):
             def __init__(self):
-                self.it = feeds(args.input, args.n, args.batch, shape)
+                self.it = _stream(args, args.batch)
 
             def get_next(self):
                 return next(self.it, None)
@@ -91,11 +104,11 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _measure(what: str, method: str, model: str, input_name: str, shape, n: int, batch: int,
-             repeats: int = 1) -> dict:
-    """Median seconds and median peak memory over `repeats` fresh processes (the machine is noisy)."""
-    cmd = [sys.executable, "-m", "oq.benchcalib", "--child", what, "--method", method, "--model", model,
-           "--input", input_name, "--n", str(n), "--batch", str(batch), "--shape", *map(str, shape)]
+def _measure(what: str, method: str, model: str, data: list[str], n: int, batch: int, repeats: int = 1) -> dict:
+    """Median seconds and median peak memory over `repeats` fresh processes (the machine is noisy). `data`: the
+    child's data arguments (--calib, or --input and --shape)."""
+    cmd = [sys.executable, "-m", "oq.benchcalib", "--child", what, "--method", method, "--model", model, *data,
+           "--n", str(n), "--batch", str(batch)]
     runs = []
     for _ in range(repeats):
         proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -121,9 +134,11 @@ def main(argv=None) -> None:
     p.add_argument("--samples", type=int, nargs="+", default=[64, 1024])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--methods", nargs="+", default=["minmax", "entropy", "percentile", "mse"])
-    p.add_argument("--model", help="your .onnx (one float image input); default: mobilenet_mini at 224x224")
-    p.add_argument("--input", default="input")
-    p.add_argument("--shape", type=int, nargs=3, default=[3, 224, 224], help="C H W of one sample")
+    p.add_argument("--model", help="your .onnx; default: mobilenet_mini at 224x224")
+    p.add_argument("--calib", help="an .npz of samples stacked along axis 0, keyed by input name (with --model)")
+    p.add_argument("--reference", help="a reference model from models/ with its own inputs, instead of --model")
+    p.add_argument("--input", default="input", help="synthetic data: the image input's name")
+    p.add_argument("--shape", type=int, nargs=3, default=[3, 224, 224], help="synthetic data: C H W of one sample")
     p.add_argument("--repeats", type=int, default=3, help="fresh processes per row; medians are printed")
     p.add_argument("--ort-max-samples", type=int, default=256,
                    help="skip onnxruntime.quantization's histogram methods above this many samples: they keep every "
@@ -140,26 +155,39 @@ def main(argv=None) -> None:
     from .bench import cpu_flags
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
+        model, calib, label = args.model, args.calib, args.model or "mobilenet_mini@224"
+        if args.reference:
+            import models
+
+            model, label = str(models.build(args.reference)), args.reference
+            calib = f"{tmp}/{args.reference}.npz"
+            np.savez(calib, **models.make_inputs(args.reference, max(args.samples)))
+        elif model is None:
             model = f"{tmp}/mobilenet_224.onnx"
             export_mobilenet_224(Path(model))
-        print(f"CPU: {cpu_flags()}; model {args.model or 'mobilenet_mini@224'}; batch {args.batch_size}; "
+        data = ["--input", args.input, "--shape", *map(str, args.shape)]
+        samples = list(args.samples)
+        if calib:
+            data = ["--calib", str(calib)]
+            with np.load(calib) as npz:
+                available = min(npz[k].shape[0] for k in npz.files)
+            samples = sorted({min(n, available) for n in samples})
+        print(f"CPU: {cpu_flags()}; model {label}; data {calib or 'synthetic images'}; batch {args.batch_size}; "
               f"each row the median of {args.repeats} fresh processes")
         print(f"{'samples':>8} {'run':<18}{'seconds':>9}{'peak MB':>9}{'x fp32 time':>12}{'oq vs ort time':>16}"
               f"{'oq vs ort mem':>15}")
-        for n in args.samples:
+        for n in samples:
             rep = args.repeats
-            base = _measure("fp32", "-", model, args.input, args.shape, n, args.batch_size, rep)
+            base = _measure("fp32", "-", model, data, n, args.batch_size, rep)
             print(f"{n:>8} {'fp32 pass':<18}{base['seconds']:>9.2f}{base['peak_mb']:>9.0f}")
             for method in args.methods:
-                mine = _measure("oq", method, model, args.input, args.shape, n, args.batch_size, rep)
+                mine = _measure("oq", method, model, data, n, args.batch_size, rep)
                 if not ORT_METHODS[method]:
                     theirs = {"error": "no matching method"}
                 elif method != "minmax" and n > args.ort_max_samples:
                     theirs = {"error": f"skipped above --ort-max-samples {args.ort_max_samples}"}
                 else:
-                    theirs = _measure("ort", method, model, args.input, args.shape, n, args.batch_size, rep)
+                    theirs = _measure("ort", method, model, data, n, args.batch_size, rep)
                 if "error" in mine:
                     print(f"{n:>8} {'oq ' + method:<18} error: {mine['error']}")
                     continue

@@ -429,3 +429,33 @@ def test_quantization_error_prefers_the_finer_power_of_two_grid_for_thin_tails()
     qp = qparams_from_range(only_bulk.lo, only_bulk.hi, QuantSpec("int8", power_of_two=True))
     s = float(qp.scale)
     assert only_bulk.quantization_error(s, 0.0, -128, 127) < only_bulk.quantization_error(s / 2, 0.0, -128, 127)
+
+
+def test_entropy_never_clips_below_a_clamp():
+    """ReLU6 outputs pile up at 6: KL happily clips below the spike, which moves every clamped value."""
+    rng = np.random.default_rng(0)
+    relu6 = np.clip(rng.laplace(0.0, 1.2, size=200_000), 0.0, 6.0).astype(np.float32)
+    assert (relu6 == 6.0).mean() > 0.002
+    obs = make_observer("entropy")
+    for chunk in np.array_split(relu6, 7):
+        obs.update(chunk)
+    assert obs.range() == (0.0, 6.0)
+    # the same distribution without the clamp is clipped well inside its maximum
+    tail = np.abs(rng.laplace(0.0, 1.2, size=200_000)).astype(np.float32)
+    free = make_observer("entropy")
+    free.update(tail)
+    assert free.range()[1] < 0.9 * float(tail.max())
+
+
+def test_clamp_counts_merge_like_one_pass():
+    rng = np.random.default_rng(1)
+    data = np.clip(rng.normal(0, 2, size=30_000), -3.0, 3.0).astype(np.float32)
+    whole = make_observer("entropy")
+    whole.update(data)
+    a, b = make_observer("entropy"), make_observer("entropy")
+    a.update(data[:10_000])
+    b.update(data[10_000:])
+    a.merge(b)
+    assert (a.at_lo, a.at_hi, a.binned) == (whole.at_lo, whole.at_hi, whole.binned)
+    assert whole.at_lo == int((data == -3.0).sum()) and whole.at_hi == int((data == 3.0).sum())
+    assert a.range() == whole.range() == (-3.0, 3.0)

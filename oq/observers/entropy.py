@@ -71,6 +71,9 @@ def kl_divergences(habs: np.ndarray, levels: int, eps: float = 1e-4) -> tuple[np
     return cand, np.where(q_total > 0, kl, np.inf)  # nothing kept: Q is empty
 
 
+CLAMP_FRACTION = 1e-4  # share of the non-zero values sitting exactly at an extreme that marks it as a clamp
+
+
 class EntropyObserver(HistogramObserver):
     """TensorRT-style entropy calibration: the |x| threshold t minimising KL(P || Q) between the clipped histogram and
     its `levels`-level quantized version. Use for int8 activations with long tails (the TensorRT default method).
@@ -105,7 +108,19 @@ class EntropyObserver(HistogramObserver):
         habs = self.abs_histogram()
         habs[0] -= self.exact_zeros  # lossless on every grid; as a spike in bin 0 they would dominate the KL
         kept = kl_threshold_bins(habs, levels)
-        return min(kept * self.width, self._amax())
+        t = kept * self.width
+        # A point mass at an extreme is a clamp (ReLU6 at 6, saturated pixels at 1): the KL sees it folded into the
+        # last kept bin either way and happily clips below it, moving every clamped value (measured: a ReLU6
+        # clipped to 4 took mobilenet_mini from 39 to 19 dB). Never clip below a clamp.
+        if self._clamped(self.at_hi) and self.hi > 0:
+            t = max(t, self.hi)
+        if self._clamped(self.at_lo) and self.lo < 0:
+            t = max(t, -self.lo)
+        return min(t, self._amax())
+
+    def _clamped(self, at: int) -> bool:
+        """Several binned values sit exactly at the extreme, and enough of them not to be the tail's last point."""
+        return at >= 2 and at >= CLAMP_FRACTION * self.binned
 
     def range(self) -> tuple[float, float]:
         degenerate = self._degenerate()

@@ -50,6 +50,11 @@ class HistogramObserver(Observer):
         self.counts: np.ndarray | None = None  # int64[2H], allocated at the first non-zero value
         self.width = 0.0
         self.exact_zeros = 0  # values == 0 seen (all of `count` while there is no grid)
+        # binned values exactly at the running min / max (unweighted, out of `binned`): a point mass there is a
+        # clamp (ReLU6, saturated pixels) that no threshold below it can represent (see EntropyObserver)
+        self.at_lo = 0
+        self.at_hi = 0
+        self.binned = 0
         self.lo = np.inf
         self.hi = -np.inf
         self.count = 0
@@ -97,8 +102,15 @@ class HistogramObserver(Observer):
         `weight` values of the batch (a regular sub-grid of every sample, so the selection never depends on how
         samples were batched)."""
         before = self.count
-        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         x = values
+        for side, bound, mine in (("at_lo", lo, self.lo), ("at_hi", hi, self.hi)):
+            if bound != mine:  # a new extreme replaces the old count (and an inner one adds nothing)
+                if (bound < mine) == (side == "at_lo"):
+                    setattr(self, side, int(np.count_nonzero(x == bound)))
+            else:
+                setattr(self, side, getattr(self, side) + int(np.count_nonzero(x == bound)))
+        self.binned += x.size
+        self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         self.count += weight * x.size
         self.exact_zeros += weight * (x.size - int(np.count_nonzero(x)))
         amax = self._amax()
@@ -130,8 +142,17 @@ class HistogramObserver(Observer):
             raise OqError(f"cannot merge histograms of {other.bins} and {self.bins} bins")
         self.nonfinite = self.nonfinite or other.nonfinite
         parts = [(obs.counts, obs.width, obs.count) for obs in (self, other)]
+        if other.lo < self.lo:
+            self.at_lo = other.at_lo
+        elif other.lo == self.lo:
+            self.at_lo += other.at_lo
+        if other.hi > self.hi:
+            self.at_hi = other.at_hi
+        elif other.hi == self.hi:
+            self.at_hi += other.at_hi
         self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
         self.count += other.count
+        self.binned += other.binned
         self.exact_zeros += other.exact_zeros
         amax = self._amax()
         if amax == 0.0:

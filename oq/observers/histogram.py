@@ -35,7 +35,7 @@ class HistogramObserver(Observer):
     name = "histogram"
     probe = "sample"
 
-    def __init__(self, bins: int = 2048, sample_limit: int | None = 16384):
+    def __init__(self, bins: int = 2048, sample_limit: int | None = 8192):
         bins = int(bins)
         if bins < 16:
             raise OqError(f"histogram bins must be at least 16, got {bins}")
@@ -103,16 +103,24 @@ class HistogramObserver(Observer):
         samples were batched)."""
         before = self.count
         x = values
-        for side, bound, mine in (("at_lo", lo, self.lo), ("at_hi", hi, self.hi)):
-            if bound != mine:  # a new extreme replaces the old count (and an inner one adds nothing)
-                if (bound < mine) == (side == "at_lo"):
-                    setattr(self, side, int(np.count_nonzero(x == bound)))
-            else:
-                setattr(self, side, getattr(self, side) + int(np.count_nonzero(x == bound)))
+        zeros = x.size - int(np.count_nonzero(x))
+
+        def at(bound: float) -> int:
+            return zeros if bound == 0.0 else int(np.count_nonzero(x == bound))
+
+        # a new extreme replaces the old count, an equal one adds to it, an inner one changes nothing
+        if lo < self.lo:
+            self.at_lo = at(lo)
+        elif lo == self.lo:
+            self.at_lo += at(lo)
+        if hi > self.hi:
+            self.at_hi = at(hi)
+        elif hi == self.hi:
+            self.at_hi += at(hi)
         self.binned += x.size
         self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         self.count += weight * x.size
-        self.exact_zeros += weight * (x.size - int(np.count_nonzero(x)))
+        self.exact_zeros += weight * zeros
         amax = self._amax()
         if amax == 0.0:
             return

@@ -5,7 +5,8 @@ identical while the activation touches a quarter (2x2 pooling) of the values. It
 float stem (kept float by the target, e.g. an RGB conv) followed by Relu -> MaxPool -> QuantizeLinear would have
 onnxruntime hoist the Q/DQ above the MaxPool (QDQ propagation) and run the pooling on uint8 NCHW data, many times
 slower than its float NCHWc pooling; with the activation in between, nothing is hoisted and the activation is
-absorbed into the QuantizeLinear. Runs after Q/DQ insertion, so it only ever sees activations left in float.
+absorbed into the QuantizeLinear. Runs after Q/DQ insertion, so it only ever sees activations left in float, and
+only where a QuantizeLinear reads the pool (elsewhere a backend may rather fuse the activation into its producer).
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class SinkActivationBelowMaxPool(Pass):
                 continue
             if len([t for t in pool.outputs if t.name]) != 1:
                 continue  # the Indices output would see the activation's ties
+            reader = uses.sole_consumer(pool.outputs[0])
+            if reader is None or reader.op != "QuantizeLinear" or pool.outputs[0].name in outputs:
+                continue
             x, mid, y = act.inputs[0], act.outputs[0], pool.outputs[0]
             pool.inputs[0], pool.outputs[0] = x, mid  # x -> MaxPool -> mid -> act -> y
             act.inputs[0], act.outputs[0] = mid, y

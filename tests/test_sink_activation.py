@@ -13,21 +13,27 @@ from oq.report import Report
 from oq.target import load_target
 
 
-def conv_act_pool(act="Relu", pool_outputs=("y",), extra_reader=False, **act_attrs):
+def conv_act_pool(act="Relu", pool_outputs=("y",), extra_reader=False, no_q=False, **act_attrs):
     rng = np.random.default_rng(0)
     w = numpy_helper.from_array(rng.normal(size=(4, 3, 3, 3)).astype(np.float32), "w")
+    scale = numpy_helper.from_array(np.array(0.05, np.float32), "s")
+    zp = numpy_helper.from_array(np.array(0, np.uint8), "z")
     nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node(act, ["c"], ["a"], name="act", **act_attrs),
-             helper.make_node("MaxPool", ["a"], list(pool_outputs), kernel_shape=[2, 2], strides=[2, 2], pads=[0, 0, 1, 1],
-                              name="pool")]
+             helper.make_node("MaxPool", ["a"], ["p", *pool_outputs[1:]], kernel_shape=[2, 2], strides=[2, 2],
+                              pads=[0, 0, 1, 1], name="pool"),
+             helper.make_node("QuantizeLinear", ["p", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
     outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
     if len(pool_outputs) > 1:
         outputs.append(helper.make_tensor_value_info(pool_outputs[1], TensorProto.INT64, None))
+    if no_q:  # the pool's reader is not a QuantizeLinear: a backend may rather fuse the activation upwards
+        nodes[3:] = [helper.make_node("Neg", ["p"], ["y"])]
     if extra_reader:
         nodes.append(helper.make_node("Neg", ["a"], ["n"]))
         outputs.append(helper.make_tensor_value_info("n", TensorProto.FLOAT, None))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 9, 9])],
-                              outputs, [w])
+                              outputs, [w, scale, zp])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -38,12 +44,12 @@ def test_activation_moves_below_the_pool_with_identical_results(act, attrs):
     result = SinkActivationBelowMaxPool().run(ctx)
     assert result.modified and result.notes == ["act below pool"]
     out = ir.to_model(ctx.graph)
-    assert [n.op_type for n in out.graph.node] == ["Conv", "MaxPool", act]
+    assert [n.op_type for n in out.graph.node] == ["Conv", "MaxPool", act, "QuantizeLinear", "DequantizeLinear"]
     x = np.random.default_rng(1).normal(size=(2, 3, 9, 9)).astype(np.float32)
     np.testing.assert_array_equal(run_onnx(out, {"x": x}), run_onnx(model, {"x": x}))
 
 
-@pytest.mark.parametrize("kwargs", [{"extra_reader": True}, {"pool_outputs": ("y", "idx")}])
+@pytest.mark.parametrize("kwargs", [{"extra_reader": True}, {"pool_outputs": ("y", "idx")}, {"no_q": True}])
 def test_activation_stays_where_moving_it_would_change_something(kwargs):
     model = conv_act_pool(**kwargs)
     ctx = Context(graph=ir.to_graph(model), report=Report())

@@ -8,8 +8,12 @@ graph what the tensor's observer reads (`Observer.probe`):
   layout directly, and ReduceMin unless the graph proves the tensor non-negative (Relu, Clip at >= 0, Sigmoid,
   ... and shape/pooling ops of those). A proven non-negative tensor reports 0 as its minimum: qparams always
   include 0 in the range, so the result is the same.
-- "sample" (the histogram observers): the extent as above, plus MaxPool(kernel 1, stride s) over the spatial axes,
-  a regular sub-grid of each sample holding at most `sample_limit` values, each standing for s**k values.
+- "sample" (the histogram observers): the extent as above, plus a fixed subset of each sample holding at most
+  `sample_limit` values, each standing for the same number of values. Rank >= 4 (NCHW...): MaxPool(kernel 1,
+  stride s) over the spatial axes, every channel at a regular grid of positions, pooled on the blocked layout.
+  Rank 3, whose layout is ambiguous ([N, C, L] audio or [N, tokens, features]): every s-th value of the flattened
+  sample, which with an odd s cycles through every feature index (a strided last axis would see the same few
+  features of every token and miss a transformer's outlier channels).
 - "full": the tensor itself. Used for tensors of rank < 3, non-float tensors, sample probes whose per-sample shape
   is not static or whose axis 0 is not the batch, and for observers that declare no probe (a user's observer gets
   every value, as before).
@@ -136,6 +140,12 @@ def plan_probes(model: onnx.ModelProto, observers: dict[str, Observer]) -> dict[
             limit = getattr(obs, "sample_limit", None)
             if tail is None or not getattr(obs, "rows_are_samples", False) or not limit:
                 probe.kind = "full"
+            elif rank == 3:
+                n = int(np.prod(tail))
+                s = 1
+                while -(-n // s) > limit:
+                    s += 2
+                probe.weight, probe.fetch_per_sample = s, -(-n // s)
             else:
                 s = _stride(tail, limit)
                 probe.weight = s ** (rank - 2)
@@ -186,6 +196,15 @@ def add_probes(model: onnx.ModelProto, probes: dict[str, Probe]) -> onnx.ModelPr
             stride = round(probe.weight ** (1.0 / (rank - 2)))
             if stride == 1:
                 probe.sample = t
+            elif rank == 3:
+                flat, step = fresh(f"oq_probe{k}_flat"), fresh(f"oq_probe{k}_step")
+                bounds = [fresh(f"oq_probe{k}_{b}") for b in ("start", "end", "axis")]
+                for name, value in zip([*bounds, step], [0, np.iinfo(np.int64).max, 1, stride]):
+                    g.initializer.append(numpy_helper.from_array(np.array([value], np.int64), name))
+                probe.sample = fresh(f"oq_probe{k}_grid")
+                g.node.append(helper.make_node("Flatten", [t], [flat], axis=1, name=fresh(f"oq_probe{k}_flat_node")))
+                g.node.append(helper.make_node("Slice", [flat, *bounds, step], [probe.sample],
+                                               name=fresh(f"oq_probe{k}_grid_node")))
             else:
                 probe.sample = fresh(f"oq_probe{k}_grid")
                 g.node.append(helper.make_node("MaxPool", [t], [probe.sample], kernel_shape=[1] * (rank - 2),

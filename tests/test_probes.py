@@ -145,3 +145,26 @@ def test_symbolic_sample_shape_falls_back_to_whole_tensors():
 def _strip_value_info(model):
     del model.graph.value_info[:]
     return model
+
+
+def test_rank3_sample_probes_take_every_sth_value_of_the_flattened_sample():
+    """[N, tokens, features]: a strided last axis would see the same few features of every token; the flattened
+    stride (odd) cycles through all of them."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 6, 16])
+    w = numpy_helper.from_array(np.random.default_rng(3).normal(size=(16, 16)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"])], "g", [x],
+                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, None)], [w])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    obs = make_observer("percentile")
+    obs.rows_are_samples, obs.sample_limit = True, 20  # 96 values per sample -> stride 5 -> 20 values
+    probes = plan_probes(model, {"h": obs})
+    assert probes["h"].weight == 5 and probes["h"].fetch_per_sample == 20
+    data = np.random.default_rng(4).normal(size=(9, 6, 16)).astype(np.float32)
+    data[:, :, 7] *= 30  # an outlier feature, as transformers have
+    observe(model, {"h": obs}, open_calibration(lambda: ({"x": data[i:i + 1]} for i in range(9)),
+                                                 model_inputs(model)), batch_size=4, progress=False)
+    h = full_tensors(model, ["h"], data)["h"]
+    expected = make_observer("percentile")
+    expected.update_sample(float(h.min()), float(h.max()), h.reshape(9, -1)[:, ::5], 5)
+    assert np.array_equal(obs.counts, expected.counts)
+    assert {i % 16 for i in range(0, 96, 5)} == set(range(16))  # every feature index is visited

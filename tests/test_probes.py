@@ -168,3 +168,23 @@ def test_rank3_sample_probes_take_every_sth_value_of_the_flattened_sample():
     expected.update_sample(float(h.min()), float(h.max()), h.reshape(9, -1)[:, ::5], 5)
     assert np.array_equal(obs.counts, expected.counts)
     assert {i % 16 for i in range(0, 96, 5)} == set(range(16))  # every feature index is visited
+
+
+def test_rank5_tensors_pool_over_all_three_spatial_axes():
+    """Volumetric / video convolutions: [N, C, D, H, W]."""
+    rng = np.random.default_rng(5)
+    w = numpy_helper.from_array(rng.normal(size=(4, 2, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1] * 6)], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 6, 7, 8])],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, None)], [w])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    obs = make_observer("mse")
+    obs.rows_are_samples, obs.sample_limit = True, 4 * 2 * 3 * 3  # stride 3 over D, H, W: 2 x 3 x 3 positions
+    probes = plan_probes(model, {"c": obs})
+    assert probes["c"].weight == 27 and probes["c"].fetch_per_sample == 72
+    x = rng.normal(size=(5, 2, 6, 7, 8)).astype(np.float32)
+    observe(model, {"c": obs}, data_for(model, x), batch_size=2, progress=False)
+    c = full_tensors(model, ["c"], x)["c"]
+    expected = make_observer("mse")
+    expected.update_sample(float(c.min()), float(c.max()), c[:, :, ::3, ::3, ::3], 27)
+    assert np.array_equal(obs.counts, expected.counts) and obs.range() == pytest.approx(expected.range())

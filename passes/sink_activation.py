@@ -17,7 +17,7 @@ _MONOTONIC = ("Relu", "Clip", "LeakyRelu")
 
 
 class SinkActivationBelowMaxPool(Pass):
-    name = "sink-activation-below-maxpool"
+    name = "sink-activation"
 
     def run(self, ctx: Context) -> PassResult:
         graph = ctx.graph

@@ -1,6 +1,7 @@
 """What oq knows about ONNX ops regardless of target: where weights and biases sit, and their channel axes."""
 from __future__ import annotations
 
+import numpy as np
 import onnx_graphsurgeon as gs
 
 # op -> input index of the weight whose output channels get per-channel scales
@@ -43,3 +44,17 @@ def weight_block_axis(node: gs.Node, rank: int) -> int:
     if op == "MatMul":
         return rank - 2
     raise KeyError(op)
+
+
+def scale_output_channels(node: gs.Node, w: np.ndarray, f: np.ndarray) -> np.ndarray:
+    """The weight (float64) with output channel i multiplied by f[i], for Conv, ConvTranspose (grouped: channel i
+    is column i % (C_out / group) of group i // (C_out / group)) and Gemm (B's rows when transB, else its columns)."""
+    w64 = np.asarray(w, np.float64)
+    if node.op == "Conv":
+        return w64 * f.reshape([-1] + [1] * (w.ndim - 1))
+    if node.op == "ConvTranspose":
+        g = node.attrs.get("group", 1)
+        return (w64.reshape(g, w.shape[0] // g, w.shape[1], -1) * f.reshape(g, 1, -1, 1)).reshape(w.shape)
+    if node.op == "Gemm":
+        return w64 * (f.reshape(-1, 1) if node.attrs.get("transB", 0) else f.reshape(1, -1))
+    raise KeyError(node.op)

@@ -13,6 +13,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from oq import ir
+from oq.opinfo import scale_output_channels
 from oq.passmanager import Context, Pass, PassResult
 
 _LAYERS = ("Conv", "ConvTranspose", "Gemm")
@@ -38,15 +39,6 @@ def _in_ranges(node: gs.Node, w: np.ndarray) -> np.ndarray:
     if node.op == "ConvTranspose":
         return a.reshape(w.shape[0], -1).max(axis=1)
     return a.max(axis=0) if node.attrs.get("transB", 0) else a.max(axis=1)  # Gemm
-
-
-def _scale_out(node: gs.Node, w: np.ndarray, f: np.ndarray) -> np.ndarray:
-    if node.op == "Conv":
-        return w * f.reshape([-1] + [1] * (w.ndim - 1))
-    if node.op == "ConvTranspose":
-        g = node.attrs.get("group", 1)
-        return (w.reshape(g, w.shape[0] // g, w.shape[1], -1) * f.reshape(g, 1, -1, 1)).reshape(w.shape)
-    return w * (f.reshape(-1, 1) if node.attrs.get("transB", 0) else f.reshape(1, -1))
 
 
 def _scale_in(node: gs.Node, w: np.ndarray, f: np.ndarray) -> np.ndarray:
@@ -118,7 +110,7 @@ class CrossLayerEqualization(Pass):
                 s = np.ones_like(ra)
                 ok = (ra > 0) & (rb > 0)
                 s[ok] = np.sqrt(ra[ok] / rb[ok])
-                weights[a.inputs[1].name] = _scale_out(a, wa, 1.0 / s)
+                weights[a.inputs[1].name] = scale_output_channels(a, wa, 1.0 / s)
                 if len(a.inputs) > 2 and a.inputs[2].name:  # [C], or Gemm's scalar / [N] / [M, N]
                     weights[a.inputs[2].name] = value(a.inputs[2]) / s
                 weights[b.inputs[1].name] = _scale_in(b, wb, s)

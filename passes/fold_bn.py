@@ -5,6 +5,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from oq import ir
+from oq.opinfo import scale_output_channels
 from oq.passmanager import Context, Pass, PassResult
 
 
@@ -16,21 +17,6 @@ def _bn_factors(bn: gs.Node) -> tuple[np.ndarray, np.ndarray] | None:
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
     f = gamma / np.sqrt(var + bn.attrs.get("epsilon", 1e-5))
     return f, beta - mean * f
-
-
-def _scale_weight(node: gs.Node, w: np.ndarray, f: np.ndarray) -> np.ndarray:
-    """Multiply the weight's output channels by f; the channel layout differs per op."""
-    w64 = w.astype(np.float64)
-    if node.op == "Conv":
-        return w64 * f.reshape([-1] + [1] * (w.ndim - 1))
-    if node.op == "ConvTranspose":
-        group = node.attrs.get("group", 1)
-        c_in, c_out_g = w.shape[0], w.shape[1]
-        grouped = w64.reshape(group, c_in // group, c_out_g, *w.shape[2:])
-        fg = f.reshape(group, 1, c_out_g, *([1] * (w.ndim - 2)))
-        return (grouped * fg).reshape(w.shape)
-    # Gemm: output channels are B's rows when transB, else its columns
-    return w64 * (f.reshape(-1, 1) if node.attrs.get("transB", 0) else f.reshape(1, -1))
 
 
 class FoldBatchNorm(Pass):
@@ -84,10 +70,10 @@ class FoldBatchNorm(Pass):
         if prev.op == "Gemm":
             alpha, beta = prev.attrs.get("alpha", 1.0), prev.attrs.get("beta", 1.0)
             b = beta * np.broadcast_to(b.astype(np.float64), f.shape)
-            new_w = _scale_weight(prev, w, f * alpha)
+            new_w = scale_output_channels(prev, w, f * alpha)
             prev.attrs["alpha"], prev.attrs["beta"] = 1.0, 1.0
         else:
-            new_w = _scale_weight(prev, w, f)
+            new_w = scale_output_channels(prev, w, f)
         new_b = b.astype(np.float64) * f + shift
         dtype = w.dtype
         prev.inputs[1] = gs.Constant(w_t.name, new_w.astype(dtype))

@@ -51,21 +51,10 @@ def _batch_extent(x: np.ndarray) -> tuple[float, float] | None:
     return lo, hi
 
 
-class MinMaxObserver(Observer):
-    """Running min and max: exact, order- and batching-independent. The default; use it unless outliers hurt.
+class _ExtentObserver(Observer):
+    """Observers that read only each batch's min and max: `update` reduces to `update_extent`."""
 
-    A batch holding NaN or inf makes `range()` return NaN, so calibration reports the tensor instead of silently
-    producing a useless scale.
-    """
-
-    name = "minmax"
     probe = "extent"
-
-    def __init__(self):
-        self.lo = np.inf
-        self.hi = -np.inf
-        self.count = 0
-        self.nonfinite = False
 
     def update(self, x: np.ndarray) -> None:
         x = np.asarray(x)
@@ -75,6 +64,25 @@ class MinMaxObserver(Observer):
 
     def update_extent(self, lo: float, hi: float, count: int) -> None:
         """A batch of `count` values whose min and max are lo and hi (finite)."""
+        raise NotImplementedError
+
+
+class MinMaxObserver(_ExtentObserver):
+    """Running min and max: exact, order- and batching-independent. The default; use it unless outliers hurt.
+
+    A batch holding NaN or inf makes `range()` return NaN, so calibration reports the tensor instead of silently
+    producing a useless scale.
+    """
+
+    name = "minmax"
+
+    def __init__(self):
+        self.lo = np.inf
+        self.hi = -np.inf
+        self.count = 0
+        self.nonfinite = False
+
+    def update_extent(self, lo: float, hi: float, count: int) -> None:
         self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         self.count += count
 
@@ -99,7 +107,7 @@ class MinMaxObserver(Observer):
         return 32
 
 
-class EMAObserver(Observer):
+class EMAObserver(_ExtentObserver):
     """Exponential moving average of each batch's min and max: new = momentum * old + (1 - momentum) * batch.
 
     The first batch initialises the averages. Softens the effect of a few outlier batches compared with minmax, as in
@@ -108,7 +116,6 @@ class EMAObserver(Observer):
     """
 
     name = "ema"
-    probe = "extent"
 
     def __init__(self, momentum: float = 0.9):
         momentum = float(momentum)
@@ -120,12 +127,6 @@ class EMAObserver(Observer):
         self.count = 0  # elements seen (the merge weight)
         self.batches = 0
         self.nonfinite = False
-
-    def update(self, x: np.ndarray) -> None:
-        x = np.asarray(x)
-        ext = self._extent(x)
-        if ext is not None:
-            self.update_extent(ext[0], ext[1], x.size)
 
     def update_extent(self, lo: float, hi: float, count: int) -> None:
         if self.batches == 0:

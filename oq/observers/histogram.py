@@ -82,6 +82,19 @@ class HistogramObserver(Observer):
         np.add.at(out, target, counts)
         return out
 
+    def _combine_extremes(self, lo: float, hi: float, at_lo, at_hi) -> None:
+        """Fold in values whose min/max are lo/hi, with at_lo()/at_hi() of them exactly there (called only when
+        needed): a new extreme replaces the count, an equal one adds to it, an inner one changes nothing. Runs
+        before self.lo/self.hi take the new extremes."""
+        if lo < self.lo:
+            self.at_lo = at_lo()
+        elif lo == self.lo:
+            self.at_lo += at_lo()
+        if hi > self.hi:
+            self.at_hi = at_hi()
+        elif hi == self.hi:
+            self.at_hi += at_hi()
+
     def _amax(self) -> float:
         return max(-self.lo, self.hi) if self.count else 0.0
 
@@ -108,15 +121,7 @@ class HistogramObserver(Observer):
         def at(bound: float) -> int:
             return zeros if bound == 0.0 else int(np.count_nonzero(x == bound))
 
-        # a new extreme replaces the old count, an equal one adds to it, an inner one changes nothing
-        if lo < self.lo:
-            self.at_lo = at(lo)
-        elif lo == self.lo:
-            self.at_lo += at(lo)
-        if hi > self.hi:
-            self.at_hi = at(hi)
-        elif hi == self.hi:
-            self.at_hi += at(hi)
+        self._combine_extremes(lo, hi, lambda: at(lo), lambda: at(hi))
         self.binned += x.size
         self.lo, self.hi = min(self.lo, lo), max(self.hi, hi)
         self.count += weight * x.size
@@ -150,14 +155,7 @@ class HistogramObserver(Observer):
             raise OqError(f"cannot merge histograms of {other.bins} and {self.bins} bins")
         self.nonfinite = self.nonfinite or other.nonfinite
         parts = [(obs.counts, obs.width, obs.count) for obs in (self, other)]
-        if other.lo < self.lo:
-            self.at_lo = other.at_lo
-        elif other.lo == self.lo:
-            self.at_lo += other.at_lo
-        if other.hi > self.hi:
-            self.at_hi = other.at_hi
-        elif other.hi == self.hi:
-            self.at_hi += other.at_hi
+        self._combine_extremes(other.lo, other.hi, lambda: other.at_lo, lambda: other.at_hi)
         self.lo, self.hi = min(self.lo, other.lo), max(self.hi, other.hi)
         self.count += other.count
         self.binned += other.binned

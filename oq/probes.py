@@ -49,7 +49,8 @@ class Probe:
     hi: str | None = None  # fetched: GlobalMaxPool output
     lo: str | None = None  # fetched: ReduceMin output (absent for non-negative tensors)
     sample: str | None = None  # fetched: the sub-grid (or the tensor itself when it is small)
-    weight: int = 1
+    stride: int = 1  # of the sub-sample: over each spatial axis (rank >= 4) or the flattened sample (rank 3)
+    weight: int = 1  # values of the sample each sub-sampled value stands for
     per_sample: int | None = None  # elements of one sample, when static
     fetch_per_sample: int | None = None  # elements fetched for one sample, when static
     fetch: list[str] = field(default_factory=list)
@@ -145,10 +146,10 @@ def plan_probes(model: onnx.ModelProto, observers: dict[str, Observer]) -> dict[
                 s = 1
                 while -(-n // s) > limit:
                     s += 2
-                probe.weight, probe.fetch_per_sample = s, -(-n // s)
+                probe.stride, probe.weight, probe.fetch_per_sample = s, s, -(-n // s)
             else:
                 s = _stride(tail, limit)
-                probe.weight = s ** (rank - 2)
+                probe.stride, probe.weight = s, s ** (rank - 2)
                 probe.fetch_per_sample = tail[0] * int(np.prod([-(-d // s) for d in tail[1:]]))
         probes[name] = probe
     return probes
@@ -192,8 +193,7 @@ def add_probes(model: onnx.ModelProto, probes: dict[str, Probe]) -> onnx.ModelPr
                                            name=fresh(f"oq_probe{k}_min_node")))
             probe.fetch.append(fetch(probe.lo))
         if probe.kind == "sample":
-            rank = len(types[t].shape.dim)
-            stride = round(probe.weight ** (1.0 / (rank - 2)))
+            rank, stride = len(types[t].shape.dim), probe.stride
             if stride == 1:
                 probe.sample = t
             elif rank == 3:

@@ -272,12 +272,11 @@ def parse_target(raw: dict, where: str) -> Target:
     saturation = raw.get("u8s8_saturation", "ignore")
     if saturation not in SATURATION_MODES:
         fail("u8s8_saturation", f"must be one of {', '.join(SATURATION_MODES)}")
-    cle = raw.get("cross_layer_equalization", False)
-    if not isinstance(cle, bool):
-        fail("cross_layer_equalization", "must be true or false")
-    float_out = raw.get("float_output_layers", False)
-    if not isinstance(float_out, bool):
-        fail("float_output_layers", "must be true or false")
+    flags = {}
+    for key in ("cross_layer_equalization", "float_output_layers"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            fail(key, "must be true or false")
     fusions = list(raw.get("fusions", []))
     for f in fusions:
         if f not in FUSION_PATTERNS:
@@ -286,5 +285,4 @@ def parse_target(raw: dict, where: str) -> Target:
                   quantize_fusion_side_inputs=bool(raw.get("quantize_fusion_side_inputs", False)),
                   quantize_graph_outputs=bool(raw.get("quantize_graph_outputs", False)), bias=bias,
                   opset_min=opset_min, activation_spec=act, side_files=side_files, format=fmt,
-                  u8s8_saturation=saturation, cross_layer_equalization=cle,
-                  float_output_layers=float_out, source=where)
+                  u8s8_saturation=saturation, source=where, **flags)

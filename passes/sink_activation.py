@@ -43,5 +43,5 @@ class SinkActivationBelowMaxPool(Pass):
             mid.shape = y.shape
             moved.append(f"{act.name} below {pool.name}")
         if moved:
-            graph.toposort()
+            ir.toposort(graph)
         return PassResult(bool(moved), moved)

@@ -98,7 +98,7 @@ def _targets(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .inspect import describe
+    from .describe import describe
     from .ir import load_model
 
     model = load_model(args.model)

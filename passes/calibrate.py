@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from oq import ir
-from oq.calibrate import observe
+from oq.calibration import observe
 from oq.errors import OqError
 from oq.observers import make_observer
 from oq.passmanager import Context, Pass, PassResult, has_plan

@@ -117,7 +117,7 @@ def test_calibration_memory_does_not_grow_with_samples(model_paths):
     """Peak Python-side memory (numpy outputs included) of the streaming runner: 32 vs 256 samples."""
     import tracemalloc
 
-    from oq.calibrate import observe
+    from oq.calibration import observe
     from oq.data import NpzStack
     from oq.observers import make_observer
 

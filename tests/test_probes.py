@@ -6,7 +6,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from oq.calibrate import observe
+from oq.calibration import observe
 from oq.data import model_inputs, open_calibration
 from oq.observers import MinMaxObserver, Observer, make_observer
 from oq.probes import add_probes, nonnegative_tensors, plan_probes

@@ -13,52 +13,32 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from oq import ir
-from oq.opinfo import scale_output_channels
+from oq.opinfo import op_names, weighted_op
 from oq.passmanager import Context, Pass, PassResult
 
-_LAYERS = ("Conv", "ConvTranspose", "Gemm")
 _HOMOGENEOUS = ("Relu", "LeakyRelu", "PRelu")  # f(s * x) = s * f(x) for s > 0, per channel
 _SWEEPS = 8
 
 
 def _out_ranges(node: gs.Node, w: np.ndarray) -> np.ndarray:
-    a = np.abs(w.astype(np.float64))
-    if node.op == "Conv":
-        return a.reshape(w.shape[0], -1).max(axis=1)
-    if node.op == "ConvTranspose":
-        g = node.attrs.get("group", 1)
-        return a.reshape(g, w.shape[0] // g, w.shape[1], -1).max(axis=(1, 3)).reshape(-1)
-    return a.max(axis=1) if node.attrs.get("transB", 0) else a.max(axis=0)  # Gemm
+    return weighted_op(node).output_ranges(node, w)
 
 
 def _in_ranges(node: gs.Node, w: np.ndarray) -> np.ndarray:
-    a = np.abs(w.astype(np.float64))
-    if node.op == "Conv":
-        g = node.attrs.get("group", 1)
-        return a.reshape(g, w.shape[0] // g, w.shape[1], -1).max(axis=(1, 3)).reshape(-1)
-    if node.op == "ConvTranspose":
-        return a.reshape(w.shape[0], -1).max(axis=1)
-    return a.max(axis=0) if node.attrs.get("transB", 0) else a.max(axis=1)  # Gemm
-
-
-def _scale_in(node: gs.Node, w: np.ndarray, f: np.ndarray) -> np.ndarray:
-    if node.op == "Conv":
-        g = node.attrs.get("group", 1)
-        return (w.reshape(g, w.shape[0] // g, w.shape[1], -1) * f.reshape(g, 1, -1, 1)).reshape(w.shape)
-    if node.op == "ConvTranspose":
-        return w * f.reshape([-1] + [1] * (w.ndim - 1))
-    return w * (f.reshape(1, -1) if node.attrs.get("transB", 0) else f.reshape(-1, 1))
+    return weighted_op(node).input_ranges(node, w)
 
 
 def _layer_ok(node: gs.Node, uses: ir.UseIndex) -> str | None:
-    if node.op not in _LAYERS:
-        return "not Conv/ConvTranspose/Gemm"
-    if len(node.inputs) < 2 or ir.constant_value(node.inputs[1]) is None:
+    info = weighted_op(node)
+    if info is None or not info.rescalable:
+        return f"not {op_names(lambda w: w.rescalable)}"
+    widx, bidx = info.weight_input, info.bias_input
+    if len(node.inputs) <= widx or ir.constant_value(node.inputs[widx]) is None:
         return "weight is not a constant"
-    if len(uses.consumers(node.inputs[1])) > 1:
+    if len(uses.consumers(node.inputs[widx])) > 1:
         return "weight is shared"
-    if len(node.inputs) > 2 and node.inputs[2].name:
-        if ir.constant_value(node.inputs[2]) is None or len(uses.consumers(node.inputs[2])) > 1:
+    if len(node.inputs) > bidx and node.inputs[bidx].name:
+        if ir.constant_value(node.inputs[bidx]) is None or len(uses.consumers(node.inputs[bidx])) > 1:
             return "bias is not a private constant"
     if node.op == "Gemm" and node.attrs.get("transA", 0):
         return "Gemm with transA"
@@ -103,23 +83,26 @@ class CrossLayerEqualization(Pass):
         done: dict[tuple[int, int], tuple[gs.Node, gs.Node]] = {}  # by ids: graphsurgeon nodes are not hashable
         for _ in range(_SWEEPS):
             for a, act, b in pairs:
-                wa, wb = value(a.inputs[1]), value(b.inputs[1])
-                ra, rb = _out_ranges(a, wa), _in_ranges(b, wb)
+                ia, ib = weighted_op(a), weighted_op(b)
+                wa, wb = value(a.inputs[ia.weight_input]), value(b.inputs[ib.weight_input])
+                ra, rb = ia.output_ranges(a, wa), ib.input_ranges(b, wb)
                 if ra.shape != rb.shape:
                     continue
                 s = np.ones_like(ra)
                 ok = (ra > 0) & (rb > 0)
                 s[ok] = np.sqrt(ra[ok] / rb[ok])
-                weights[a.inputs[1].name] = scale_output_channels(a, wa, 1.0 / s)
-                if len(a.inputs) > 2 and a.inputs[2].name:  # [C], or Gemm's scalar / [N] / [M, N]
-                    weights[a.inputs[2].name] = value(a.inputs[2]) / s
-                weights[b.inputs[1].name] = _scale_in(b, wb, s)
+                weights[a.inputs[ia.weight_input].name] = ia.scale_output_channels(a, wa, 1.0 / s)
+                bias = a.inputs[ia.bias_input] if len(a.inputs) > ia.bias_input else None
+                if bias is not None and bias.name:  # [C], or Gemm's scalar / [N] / [M, N]
+                    weights[bias.name] = value(bias) / s
+                weights[b.inputs[ib.weight_input].name] = ib.scale_input_channels(b, wb, s)
                 done[id(a), id(b)] = (a, b)
         if not done:
             return PassResult(False, ["no layer pair has matching channel counts"])
         touched = {id(n): n for pair in done.values() for n in pair}
         for node in touched.values():
-            for k in (1, 2):
+            info = weighted_op(node)
+            for k in (info.weight_input, info.bias_input):
                 if len(node.inputs) > k and node.inputs[k].name in weights:
                     t = node.inputs[k]
                     node.inputs[k] = gs.Constant(t.name, weights[t.name].astype(ir.constant_value(t).dtype))

@@ -5,7 +5,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from oq import ir
-from oq.opinfo import scale_output_channels
+from oq.opinfo import op_names, weighted_op
 from oq.passmanager import Context, Pass, PassResult
 
 
@@ -44,15 +44,18 @@ class FoldBatchNorm(Pass):
             return "training-mode BatchNormalization"
         x = bn.inputs[0]
         prev = ir.producer(x)
-        if prev is None or prev.op not in ("Conv", "ConvTranspose", "Gemm"):
-            return f"input is not produced by Conv/ConvTranspose/Gemm ({prev.op if prev else 'graph input'})"
+        info = weighted_op(prev) if prev is not None else None
+        if info is None or not info.rescalable:
+            names = op_names(lambda w: w.rescalable)
+            return f"input is not produced by {names} ({prev.op if prev else 'graph input'})"
         if uses.sole_consumer(x) is None:
             return f"{prev.op} output '{x.name}' is read by other nodes too"
         factors = _bn_factors(bn)
         if factors is None:
             return "scale/bias/mean/var are not constants"
         f, shift = factors
-        w_t = prev.inputs[1]
+        widx, bidx = info.weight_input, info.bias_input
+        w_t = prev.inputs[widx]
         w = ir.constant_value(w_t)
         if w is None:
             return f"{prev.op} weight '{w_t.name}' is not a constant"
@@ -61,26 +64,26 @@ class FoldBatchNorm(Pass):
             return f"{prev.op} weight '{w_t.name}' is shared by {n_users} nodes"
         if prev.op == "Gemm" and (x.shape is None or len(x.shape) != 2):
             return "Gemm output is not 2-D"
-        has_bias = len(prev.inputs) > 2 and prev.inputs[2].name
-        b = ir.constant_value(prev.inputs[2]) if has_bias else np.zeros(f.shape, np.float64)
+        has_bias = len(prev.inputs) > bidx and prev.inputs[bidx].name
+        b = ir.constant_value(prev.inputs[bidx]) if has_bias else np.zeros(f.shape, np.float64)
         if b is None:
             return f"{prev.op} bias is not a constant"
-        if has_bias and len(uses.consumers(prev.inputs[2])) > 1:
-            return f"{prev.op} bias '{prev.inputs[2].name}' is shared"
+        if has_bias and len(uses.consumers(prev.inputs[bidx])) > 1:
+            return f"{prev.op} bias '{prev.inputs[bidx].name}' is shared"
         if prev.op == "Gemm":
             alpha, beta = prev.attrs.get("alpha", 1.0), prev.attrs.get("beta", 1.0)
             b = beta * np.broadcast_to(b.astype(np.float64), f.shape)
-            new_w = scale_output_channels(prev, w, f * alpha)
+            new_w = info.scale_output_channels(prev, w, f * alpha)
             prev.attrs["alpha"], prev.attrs["beta"] = 1.0, 1.0
         else:
-            new_w = scale_output_channels(prev, w, f)
+            new_w = info.scale_output_channels(prev, w, f)
         new_b = b.astype(np.float64) * f + shift
         dtype = w.dtype
-        prev.inputs[1] = gs.Constant(w_t.name, new_w.astype(dtype))
-        bias_name = prev.inputs[2].name if has_bias else f"{prev.name}_bias"
+        prev.inputs[widx] = gs.Constant(w_t.name, new_w.astype(dtype))
+        bias_name = prev.inputs[bidx].name if has_bias else f"{prev.name}_bias"
         bias = gs.Constant(bias_name, new_b.astype(dtype))
         if has_bias:
-            prev.inputs[2] = bias
+            prev.inputs[bidx] = bias
         else:
             prev.inputs.append(bias)
         y = bn.outputs[0]

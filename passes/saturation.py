@@ -53,13 +53,12 @@ import numpy as np
 
 from oq import ir
 from oq.errors import OqError
+from oq.opinfo import weighted_op
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS
 from oq.saturation import (CPU_WORDS, SATURATING_CPUS, IntLayer, analyze_layer, capture, guard_decision,
                            resolve_cpu)
 from oq.spec import QParams, quantize_array
-
-WEIGHTED_OPS = ("Conv", "MatMul", "Gemm")
 
 
 def _finite(x: float):
@@ -173,10 +172,12 @@ class GuardSaturation(Pass):
                 continue
             for node_name, idx in sorted(wq.consumers):
                 node = nodes.get(node_name)
-                if node is None or node.op not in WEIGHTED_OPS or idx != 1 or not plan.status.get(node_name, (0,))[0]:
+                info = weighted_op(node) if node is not None else None
+                if info is None or info.gemm_weight is None or idx != info.weight_input \
+                        or not plan.status.get(node_name, (0,))[0]:
                     continue
-                if node.op == "MatMul" and w.ndim != 2:
-                    continue
+                if info.gemm_weight(node, w) is None:
+                    continue  # not one GEMM (a MatMul weight with batch dimensions)
                 x = node.inputs[0]
                 aq = plan.activations.get(x.name)
                 if aq is None or aq.qparams is None or aq.spec.dtype != "uint8":
@@ -190,7 +191,7 @@ class GuardSaturation(Pass):
                                  float(np.asarray(aq.qparams.scale).reshape(-1)[0]),
                                  int(np.asarray(aq.qparams.zero_point).reshape(-1)[0]),
                                  quantize_array(w.astype(np.float32), wq.qparams), wq.qparams.scale, attrs,
-                                 float(attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0)
+                                 info.product_scale(node))
                 if layer.exact_kernel:
                     continue
                 out.append((layer, key, w))

@@ -11,28 +11,19 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper, numpy_helper
 
-from ..opinfo import weight_channel_axis
+from ..opinfo import weighted_op
 from .pairs import largest, pair_excess
 
 
 def gemm_weights(op: str, w: np.ndarray, attrs: dict) -> np.ndarray:
-    """Weight as [G, K, N_per_group] with K in the order onnxruntime's kernels pair it."""
-    w = np.asarray(w)
-    if op == "Conv":
-        group = int(attrs.get("group", 1))
-        co, cg = w.shape[:2]
-        spatial = w.shape[2:]
-        wg = w.reshape(group, co // group, cg, *spatial)
-        wg = np.moveaxis(wg, 1, -1)  # [G, Cg, *k, Co_g]
-        wg = np.moveaxis(wg, 1, -2)  # [G, *k, Cg, Co_g]: K = (taps, c_in), c_in fastest
-        return wg.reshape(group, -1, co // group)
-    if op == "Gemm":
-        return (w.T if attrs.get("transB", 0) else w)[None]
-    if op == "MatMul":
-        if w.ndim != 2:
-            raise ValueError("MatMul weight with batch dimensions")
-        return w[None]
-    raise ValueError(op)
+    """Weight as [G, K, N_per_group] with K in the order onnxruntime's kernels pair it (oq.opinfo's gemm_weight)."""
+    info = weighted_op(op)
+    if info is None or info.gemm_weight is None:
+        raise ValueError(op)
+    wg = info.gemm_weight(gs.Node(op, attrs=attrs), np.asarray(w))
+    if wg is None:
+        raise ValueError(f"{op} weight with batch dimensions")
+    return wg
 
 
 @dataclass
@@ -226,6 +217,9 @@ class _Consts:
         return self.values.get(name) if name else None
 
 
+_QLINEAR_BASE = {"QLinearConv": "Conv", "QLinearMatMul": "MatMul"}  # integer ops and the float op they compute
+
+
 def find_layers(model: onnx.ModelProto) -> tuple[list[IntLayer], list[tuple[str, str, str]]]:
     """u8 x s8 layers of a QDQ model (Conv/MatMul/Gemm reading DQ(uint8 activation) and DQ(int8 constant weight)),
     plus QLinearConv / QLinearMatMul. Returns (layers, skipped) with skipped = [(node, op, why)]."""
@@ -233,17 +227,18 @@ def find_layers(model: onnx.ModelProto) -> tuple[list[IntLayer], list[tuple[str,
     layers, skipped = [], []
     for node in model.graph.node:
         op = node.op_type
-        if op not in ("Conv", "MatMul", "Gemm", "QLinearConv", "QLinearMatMul") or node.domain not in ("", "ai.onnx"):
+        base = _QLINEAR_BASE.get(op, op)
+        info = weighted_op(base)
+        if info is None or info.gemm_weight is None or node.domain not in ("", "ai.onnx"):
             continue
         name = node.name or node.output[0]
         attrs = _attrs(node)
-        if op.startswith("QLinear"):
-            base = "Conv" if op == "QLinearConv" else "MatMul"
+        layer_node = gs.Node(base, attrs=attrs)
+        if op in _QLINEAR_BASE:
             x, xs, xz, w, ws, wz = node.input[:6]
             zp = consts.get(xz)
             wq, wsv, wzv, xsv = consts.get(w), consts.get(ws), consts.get(wz), consts.get(xs)
         else:
-            base = op
             x_dq, w_dq = (consts.producer.get(i) for i in node.input[:2])
             if x_dq is None or x_dq.op_type != "DequantizeLinear" or len(x_dq.input) < 3:
                 continue  # a float layer
@@ -259,7 +254,7 @@ def find_layers(model: onnx.ModelProto) -> tuple[list[IntLayer], list[tuple[str,
             w_axis = _attrs(w_dq).get("axis", 1)
             # the output-channel axis of a 2-D weight: a MatMul weight with batch dimensions is checked on axis 1
             if wq is not None and wsv is not None and np.size(wsv) > 1 and wq.ndim and \
-                    w_axis % wq.ndim != weight_channel_axis(gs.Node(base, attrs=attrs), 2):
+                    w_axis % wq.ndim != info.output_axis(layer_node, 2):
                 skipped.append((name, op, "weight scales are not per output channel"))
                 continue
         if zp is None or xsv is None or np.asarray(zp).dtype not in (np.uint8, np.int8):
@@ -274,8 +269,8 @@ def find_layers(model: onnx.ModelProto) -> tuple[list[IntLayer], list[tuple[str,
         if wzv is not None and np.any(np.asarray(wzv) != 0):
             skipped.append((name, op, "weight zero point is not 0"))
             continue
-        if base == "MatMul" and wq.ndim != 2:
-            skipped.append((name, op, "MatMul weight with batch dimensions"))
+        if info.gemm_weight(layer_node, wq) is None:
+            skipped.append((name, op, f"{base} weight with batch dimensions"))
             continue
         signed = np.asarray(zp).dtype == np.int8
         if signed and op.startswith("QLinear"):
@@ -286,7 +281,7 @@ def find_layers(model: onnx.ModelProto) -> tuple[list[IntLayer], list[tuple[str,
         layers.append(IntLayer(name, base, x, node.output[0], float(np.asarray(xsv).reshape(-1)[0]),
                                int(np.asarray(zp).reshape(-1)[0]) + (128 if signed else 0), wq,
                                np.asarray(wsv, np.float32), attrs,
-                               float(attrs.get("alpha", 1.0)) if base == "Gemm" else 1.0,
+                               info.product_scale(layer_node),
                                x_offset=128 if signed else 0))
     return layers, skipped
 

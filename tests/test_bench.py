@@ -2,14 +2,14 @@
 import numpy as np
 
 import models
-from oq import benchcalib
+from benchmarks import calibration
 
 
 def test_calibration_benchmark_on_user_model_and_data(capsys, tmp_path):
     path = models.build("mlp")
     np.savez(tmp_path / "d.npz", **models.make_inputs("mlp", 12))
-    benchcalib.main(["--model", str(path), "--calib", str(tmp_path / "d.npz"), "--samples", "8", "40",
-                     "--repeats", "1", "--methods", "minmax", "mse"])
+    calibration.main(["--model", str(path), "--calib", str(tmp_path / "d.npz"), "--samples", "8", "40",
+                      "--repeats", "1", "--methods", "minmax", "mse"])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     # 40 is capped at the 12 samples the file holds

@@ -215,7 +215,7 @@ def test_other_targets_and_bad_options(two_conv, tmp_path):
 # --- checking other tools' QDQ models -------------------------------------------------------------------------------
 
 def test_inspect_saturation_on_quantize_static_output(tmp_path, capsys):
-    from oq.bench import _ort_quantize_static
+    from benchmarks.common import ort_quantize_static as _ort_quantize_static
 
     path = models.build("resnet_mini")
     calib = models.make_inputs("resnet_mini", 8)

@@ -1,8 +1,8 @@
 """Calibration benchmark: oq's streaming calibration vs onnxruntime.quantization, same model and data.
 
-    python -m oq.benchcalib [--samples 64 1024] [--batch-size 16] [--methods minmax entropy percentile mse]
-                            [--repeats 3] [--model M.onnx [--calib DATA.npz | --input NAME --shape C H W]]
-                            [--reference resnet_mini]
+    python -m benchmarks.calibration [--samples 64 1024] [--batch-size 16] [--methods minmax entropy percentile mse]
+                                     [--repeats 3] [--model M.onnx [--calib DATA.npz | --input NAME --shape C H W]]
+                                     [--reference resnet_mini]
 
 Each measurement runs in a fresh child process (so peak RSS belongs to that run alone). Data: by default the same
 deterministic synthetic images, generated per batch, so the data set itself never sits in memory; with --calib, the
@@ -10,12 +10,14 @@ samples stacked along axis 0 of your .npz (every row loads it, so its size count
 capped at its length); --reference NAME takes a reference model and its own inputs. Rows: the plain fp32
 onnxruntime pass over the data, oq (tensorrt target) with each method, onnxruntime.quantization.quantize_static
 (QDQ, its defaults) with the matching CalibrationMethod. Default model: the trained mobilenet_mini re-exported at
-224x224 (its convolutions and global pooling take any size).
+224x224 (its convolutions and global pooling take any size). Run from the repository root: the default model and
+--reference need `models/`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -107,11 +109,14 @@ def _peak_rss_mb() -> float:
 def _measure(what: str, method: str, model: str, data: list[str], n: int, batch: int, repeats: int = 1) -> dict:
     """Median seconds and median peak memory over `repeats` fresh processes (the machine is noisy). `data`: the
     child's data arguments (--calib, or --input and --shape)."""
-    cmd = [sys.executable, "-m", "oq.benchcalib", "--child", what, "--method", method, "--model", model, *data,
-           "--n", str(n), "--batch", str(batch)]
+    cmd = [sys.executable, "-m", "benchmarks.calibration", "--child", what, "--method", method, "--model", model,
+           *data, "--n", str(n), "--batch", str(batch)]
+    # the child imports this package from the repository root, whatever the current directory
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     runs = []
     for _ in range(repeats):
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:120]}
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -130,7 +135,7 @@ def export_mobilenet_224(path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m oq.benchcalib")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.calibration")
     p.add_argument("--samples", type=int, nargs="+", default=[64, 1024])
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--methods", nargs="+", default=["minmax", "entropy", "percentile", "mse"])
@@ -152,7 +157,7 @@ def main(argv=None) -> None:
         args.what = args.child
         print(json.dumps(_child(args)))
         return
-    from .bench import cpu_flags
+    from .common import cpu_flags
 
     with tempfile.TemporaryDirectory() as tmp:
         model, calib, label = args.model, args.calib, args.model or "mobilenet_mini@224"

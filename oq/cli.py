@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
-from .errors import OqError
+from .config import CPU_CHOICES, RunConfig
+from .errors import InternalError, OqError
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="oq", description="ONNX-graph-first post-training quantizer")
+    p.add_argument("--debug", action="store_true", help="on an internal error, show the traceback")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="quantize a model for a target")
@@ -23,8 +26,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--report", help="also write the run report as JSON here")
     run.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
     run.add_argument("--calib-size", type=int, help="use at most this many calibration samples")
-    run.add_argument("--calib-method", choices=["minmax", "ema", "percentile", "entropy", "mse"],
-                     help="observer for activations (default: the target's)")
+    run.add_argument("--calib-method", metavar="METHOD",
+                     help="observer for activations: minmax, ema, percentile, entropy, mse, or one registered by a "
+                          "--plugin (default: the target's)")
+    run.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                     help="import MODULE first (it may register observers with oq.register_observer); repeatable")
     run.add_argument("--percentile", type=float, help="for --calib-method percentile (default 99.99)")
     run.add_argument("--max-memory", type=float, metavar="MB",
                      help="bound on observed activations held per batch; more passes over the data if needed")
@@ -37,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--override", action="append", default=[], metavar="NODE_OR_OP=SPEC",
                      help="change the spec on some nodes, e.g. Conv=weight.granularity:per_tensor or "
                           "head=dtype:uint8,symmetric:false (repeatable)")
-    run.add_argument("--cpu", choices=["auto", "vnni", "avx2", "avx512", "arm64"], default="auto",
+    run.add_argument("--cpu", choices=CPU_CHOICES, default="auto",
                      help="deployment CPU for the onnxruntime target: without VNNI (avx2, avx512) weight channels "
                           "whose int16 product pairs saturate get coarser scales (down to 7 bits); a model made for "
                           "avx2 is safe everywhere (default: auto, this machine)")
@@ -59,18 +65,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _config(args) -> RunConfig:
+    return RunConfig(target=args.target, calib=args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
+                     calib_method=args.calib_method, percentile=args.percentile, max_memory_mb=args.max_memory,
+                     preprocess=args.preprocess, exclude=args.exclude, overrides=args.override,
+                     weight_bits=args.weight_bits, act_bits=args.act_bits, cpu=args.cpu, equalize=args.equalize,
+                     export_format=args.format, progress=False if args.quiet else None, plugins=args.plugin)
+
+
 def _run(args) -> int:
-    from .api import quantize
+    from .api import run
 
     if Path(args.output).resolve() == Path(args.model).resolve():
         raise OqError("output path is the input model; oq never overwrites its input")
-    result = quantize(args.model, args.target, args.calib, batch_size=args.batch_size, calib_size=args.calib_size,
-                      calib_method=args.calib_method, exclude=args.exclude, overrides=args.override,
-                      weight_bits=args.weight_bits, act_bits=args.act_bits,
-                      export_format=args.format,
-                      progress=not args.quiet,
-                      preprocess=args.preprocess, max_memory_mb=args.max_memory,
-                      percentile=args.percentile, cpu=args.cpu, equalize=args.equalize)
+    result = run(args.model, _config(args))
     result.save(args.output)
     if args.report:
         from .ir import write_atomic
@@ -132,6 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("oq: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug in oq, not the user's input
+        if args.debug:
+            traceback.print_exc()
+        where = f" in pass '{exc.pass_name}'" if isinstance(exc, InternalError) and exc.pass_name else ""
+        detail = str(exc) if isinstance(exc, InternalError) else f"{type(exc).__name__}: {exc}"
+        hint = "" if args.debug else " (run with --debug for the traceback)"
+        print(f"oq: internal error{where}: {detail.splitlines()[0] if detail else ''}\n"
+              f"oq: this is a bug in oq, not a problem with your input{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -210,20 +210,11 @@ class CallableSource(CalibrationData):
 
     @classmethod
     def from_ref(cls, ref: str, specs: list[InputSpec], limit: int | None = None) -> "CallableSource":
-        import importlib
-        import sys
+        from .plugins import resolve
 
-        module_name, _, func_name = ref.partition(":")
-        if "" not in sys.path:
-            sys.path.insert(0, "")  # let users name modules in the current folder, as python -m does
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
-            raise OqError(f"calibration source {ref}: cannot import module '{module_name}' "
-                          f"({type(exc).__name__}: {str(exc)[:160]})") from None
-        func = getattr(module, func_name, None)
+        func = resolve(ref, "calibration source")
         if not callable(func):
-            raise OqError(f"calibration source {ref}: module '{module_name}' has no function '{func_name}'")
+            raise OqError(f"calibration source {ref!r}: '{ref.partition(':')[2]}' is not a function")
         return cls(func, ref, specs, limit)
 
     def __len__(self) -> int:

@@ -175,11 +175,23 @@ def constant_value(tensor: gs.Tensor) -> np.ndarray | None:
 
 
 class Namer:
-    """Hands out tensor and node names that do not collide with anything in the graph."""
+    """The one fresh-name generator: names that collide with nothing taken, `base`, then `base_1`, `base_2`, ...
 
-    def __init__(self, graph: gs.Graph):
-        self.taken: set[str] = set(graph.tensors().keys())
-        self.taken.update(n.name for n in graph.nodes if n.name)
+    Namer(graph) takes every tensor and node name of a graphsurgeon graph; Namer.of_model(model) those of a
+    ModelProto; Namer(taken=names) an explicit set (e.g. node names only)."""
+
+    def __init__(self, graph: gs.Graph | None = None, *, taken=()):
+        self.taken: set[str] = set(taken)
+        if graph is not None:
+            self.taken.update(graph.tensors().keys())
+            self.taken.update(n.name for n in graph.nodes if n.name)
+
+    @classmethod
+    def of_model(cls, model: onnx.ModelProto) -> "Namer":
+        g = model.graph
+        names = {t for n in g.node for t in (*n.input, *n.output)} | {n.name for n in g.node if n.name}
+        names |= {i.name for i in (*g.input, *g.output, *g.initializer)}
+        return cls(taken=names)
 
     def __call__(self, base: str) -> str:
         name = base
@@ -189,6 +201,20 @@ class Namer:
             k += 1
         self.taken.add(name)
         return name
+
+
+def replace_all_uses(old: gs.Tensor, new: gs.Tensor, graph: gs.Graph | None = None) -> int:
+    """Make every node that reads `old` read `new` instead (and, given the graph, its outputs list too); returns
+    how many inputs were rewired. The one replace-all-uses helper of the graphsurgeon layer."""
+    count = 0
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+                count += 1
+    if graph is not None and any(t is old for t in graph.outputs):
+        graph.outputs = [new if t is old else t for t in graph.outputs]
+    return count
 
 
 def toposort(graph: gs.Graph) -> None:

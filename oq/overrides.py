@@ -68,6 +68,8 @@ def parse_override(text: str) -> list[Override]:
     if "=" not in text:
         raise OqError(f"--override {text!r}: expected NODE_OR_OP=key:value[,key:value...]")
     pattern, _, body = text.partition("=")
+    if not pattern.strip():
+        raise OqError(f"--override {text!r}: no node name or op type before '='")
     by_role: dict[str | None, list] = {}
     for item in filter(None, (p.strip() for p in body.split(","))):
         if ":" not in item:

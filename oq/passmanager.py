@@ -1,14 +1,24 @@
-"""Pass infrastructure: passes declare requires/ensures checks and report whether they changed the graph."""
+"""Pass infrastructure: passes declare requires/ensures checks and report whether they changed the graph.
+
+Graph representations, one per layer: passes that rewrite or analyse the graph work on the onnx-graphsurgeon graph
+(`ctx.graph`); the export passes turn it into an `onnx.ModelProto` (`ctx.model`) and work on that; loading, saving
+and onnxruntime sessions take ModelProto.
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+import onnx
 import onnx_graphsurgeon as gs
 
-from .errors import OqError, PassError
-from .report import PassRecord
+from .errors import InternalError, OqError, PassError
+from .plan import FusionGroup, QuantPlan
+from .report import PassRecord, Report
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .target import Target
 
 # A check looks at the context and returns None when it holds, or a sentence saying what is wrong.
 Check = Callable[["Context"], "str | None"]
@@ -16,17 +26,24 @@ Check = Callable[["Context"], "str | None"]
 
 @dataclass
 class Context:
-    """What passes share: the graph plus what earlier passes learned about it."""
+    """What passes share: the graph, the target, and what earlier passes made of them."""
 
     graph: gs.Graph
-    target: object | None = None
-    options: object | None = None
-    report: object | None = None
-    # Fusion groups found by the fuse pass: list of oq.plan.FusionGroup.
-    fusions: list = field(default_factory=list)
-    # The quantization plan made by the annotate pass (oq.plan.QuantPlan).
-    plan: object | None = None
-    facts: dict = field(default_factory=dict)
+    report: Report = field(default_factory=Report)
+    target: "Target | None" = None
+    # fusion groups found by the fuse-patterns pass
+    fusions: list[FusionGroup] = field(default_factory=list)
+    # the quantization plan made by the annotate pass, filled in by calibration
+    plan: QuantPlan | None = None
+    # model-level fields of the input (doc string, metadata) carried to the exported model
+    template: onnx.ModelProto | None = None
+    # the exported model, made from the graph by the export passes
+    model: onnx.ModelProto | None = None
+    # side files emitted by the target, keyed by the suffix appended to the output's stem (".calib.cache")
+    side_files: dict[str, bytes] = field(default_factory=dict)
+
+    def node_count(self) -> int:
+        return len(self.model.graph.node) if self.model is not None else len(self.graph.nodes)
 
 
 @dataclass
@@ -73,19 +90,19 @@ def _run_checked(p: Pass, ctx: Context) -> PassResult:
     for check in p.requires:
         problem = check(ctx)
         if problem:
-            raise PassError(f"pass '{p.name}' cannot run: {problem}")
+            raise PassError(f"pass '{p.name}' cannot run: {problem}", p.name)
     try:
         result = p.run(ctx)
-    except OqError:
+    except (OqError, InternalError, KeyboardInterrupt):
         raise
     except Exception as exc:
-        raise PassError(f"pass '{p.name}' failed: {type(exc).__name__}: {exc}") from exc
+        raise PassError(f"pass '{p.name}' failed: {type(exc).__name__}: {exc}", p.name) from exc
     if not isinstance(result, PassResult):
-        raise PassError(f"pass '{p.name}' returned {type(result).__name__}, expected PassResult")
+        raise PassError(f"pass '{p.name}' returned {type(result).__name__}, expected PassResult", p.name)
     for check in p.ensures:
         problem = check(ctx)
         if problem:
-            raise PassError(f"pass '{p.name}' broke its promise: {problem}")
+            raise PassError(f"pass '{p.name}' broke its promise: {problem}", p.name)
     return result
 
 
@@ -97,13 +114,12 @@ class PassManager:
 
     def run(self, ctx: Context) -> Context:
         for p in self.passes:
-            nodes_before = len(ctx.graph.nodes)
+            nodes_before = ctx.node_count()
             start = time.perf_counter()
             result = _run_checked(p, ctx)
             elapsed = time.perf_counter() - start
-            if ctx.report is not None:
-                ctx.report.passes.append(PassRecord(p.name, result.modified, elapsed, nodes_before,
-                                                    len(ctx.graph.nodes), list(result.notes)))
+            ctx.report.passes.append(PassRecord(p.name, result.modified, elapsed, nodes_before, ctx.node_count(),
+                                                list(result.notes)))
         return ctx
 
 
@@ -131,3 +147,7 @@ def has_target(ctx: Context) -> str | None:
 
 def has_plan(ctx: Context) -> str | None:
     return None if ctx.plan is not None else "no quantization plan (run the annotate pass first)"
+
+
+def has_model(ctx: Context) -> str | None:
+    return None if ctx.model is not None else "no exported model (run the export-graph pass first)"

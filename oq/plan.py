@@ -86,6 +86,8 @@ class QuantPlan:
     shared: UnionFind = field(default_factory=UnionFind)
     # node name -> (quantized, reason)
     status: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    # initializer name -> 4-bit dtype, for 4-bit values held in 8-bit containers until the export packs them
+    packed: dict[str, str] = field(default_factory=dict)
 
     def observed_groups(self) -> dict[str, list[str]]:
         """Scale-sharing groups of activation tensors, each to be calibrated as one."""

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from .errors import OqError
-from .opinfo import WEIGHT_INPUT
+from .opinfo import op_names, weighted_op
 from .spec import QuantSpec
 
 try:
@@ -217,6 +217,7 @@ def parse_target(raw: dict, where: str) -> Target:
     ops: dict[str, OpRule] = {}
     for op, oraw in raw.get("ops", {}).items():
         key = f"ops.{op}"
+        weighted = weighted_op(op)
         if not isinstance(oraw, dict):
             fail(key, "must be a table")
         for k in oraw:
@@ -229,7 +230,8 @@ def parse_target(raw: dict, where: str) -> Target:
             if sname not in specs:
                 fail(f"{key}.inputs.{idx}", f"spec {sname!r} is not defined under [specs]")
             index = idx if idx == "*" else int(idx)
-            if specs[sname].granularity in ("per_channel", "per_block") and WEIGHT_INPUT.get(op) != index:
+            not_weight = weighted is None or weighted.weight_input != index
+            if specs[sname].granularity in ("per_channel", "per_block") and not_weight:
                 kind = specs[sname].granularity.replace("_", "-")
                 fail(f"{key}.inputs.{idx}", f"{kind} spec {sname!r} on an input that is not a weight of {op}")
             inputs[index] = sname
@@ -245,14 +247,14 @@ def parse_target(raw: dict, where: str) -> Target:
         min_channels = oraw.get("min_input_channels", 0)
         if not isinstance(min_channels, int) or isinstance(min_channels, bool) or min_channels < 0:
             fail(f"{key}.min_input_channels", "must be a non-negative integer")
-        if min_channels and op not in ("Conv", "ConvTranspose"):
-            fail(f"{key}.min_input_channels", "applies to Conv and ConvTranspose only")
+        if min_channels and (weighted is None or not weighted.convolution):
+            fail(f"{key}.min_input_channels", f"applies to {op_names(lambda w: w.convolution, ' and ')} only")
         ops[op] = OpRule(inputs, output, bias, when, min_channels)
     bias = raw.get("bias", "float")
     if bias not in BIAS_MODES:
         fail("bias", f"must be one of {', '.join(BIAS_MODES)}")
     from oq.emit import SIDE_FILES
-    from oq.passes.fuse_patterns import PATTERNS as FUSION_PATTERNS
+    from oq.fusions import PATTERNS as FUSION_PATTERNS
 
     side_files = list(raw.get("side_files", []))
     for f in side_files:

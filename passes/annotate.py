@@ -4,11 +4,10 @@ from __future__ import annotations
 import onnx_graphsurgeon as gs
 
 from oq import ir
-from oq.opinfo import BIAS_INPUT, is_weight_input, weight_block_axis, weight_channel_axis
+from oq.opinfo import op_names, weighted_op
 from oq.overrides import matches, parse_override
 from oq.target import DTYPE_MIN_OPSET
 from oq.passmanager import Context, Pass, PassResult, has_target, unique_node_names
-from oq.opinfo import WEIGHT_INPUT as WEIGHT_OPS
 from oq.plan import ALL_CONSUMERS, ActivationQuant, BiasQuant, QuantPlan, WeightQuant
 from oq.target import Target
 
@@ -25,7 +24,8 @@ def output_layers(graph: gs.Graph) -> set[str]:
         if node is None or node.name in seen:
             continue
         seen.add(node.name)
-        widx = WEIGHT_OPS.get(node.op)
+        info = weighted_op(node)
+        widx = info.weight_input if info is not None else None
         if widx is not None and len(node.inputs) > widx and ir.constant_value(node.inputs[widx]) is not None:
             found.add(node.name)
             continue
@@ -34,11 +34,14 @@ def output_layers(graph: gs.Graph) -> set[str]:
 
 
 def _input_channels(node: gs.Node) -> int | None:
-    """Input channels of a Conv (weight [M, C/group, ...]) or ConvTranspose (weight [C, M/group, ...])."""
-    shape = node.inputs[1].shape if len(node.inputs) > 1 else None
+    """Input channels of a Conv or ConvTranspose, from its weight's static shape."""
+    info = weighted_op(node)
+    if info is None:
+        return None
+    shape = node.inputs[info.weight_input].shape if len(node.inputs) > info.weight_input else None
     if not shape or not all(isinstance(d, int) for d in shape[:2]):
         return None
-    return shape[1] * node.attrs.get("group", 1) if node.op == "Conv" else shape[0]
+    return info.input_channels(node, shape)
 
 
 def excluded(node: gs.Node, patterns: list[str]) -> bool:
@@ -50,11 +53,14 @@ class Annotate(Pass):
     name = "annotate"
     requires = (has_target, unique_node_names)
 
+    def __init__(self, exclude=(), overrides=()):
+        """exclude: node names, op types or regexes kept in float; overrides: --override texts (oq.overrides)."""
+        self.exclude = list(exclude)
+        self.overrides = [o for text in overrides for o in parse_override(text)]
+
     def run(self, ctx: Context) -> PassResult:
         target: Target = ctx.target
-        exclude = list(getattr(ctx.options, "exclude", None) or [])
-        overrides = [o for text in (getattr(ctx.options, "overrides", None) or []) for o in parse_override(text)]
-        planner = _Planner(ctx.graph, target, ctx.fusions, exclude, overrides)
+        planner = _Planner(ctx.graph, target, ctx.fusions, self.exclude, self.overrides)
         ctx.plan = planner.build()
         if ctx.report is not None:
             ctx.report.warnings.extend(planner.warnings)
@@ -160,23 +166,25 @@ class _Planner:
 
     def _plan_inputs(self, node: gs.Node, rule) -> bool:
         planned = False
+        info = weighted_op(node)
+        widx, bidx = (info.weight_input, info.bias_input) if info is not None else (None, None)
         for idx, tensor in enumerate(node.inputs):
             spec_name = rule.spec_name_for(idx)
-            if spec_name is None or not tensor.name or BIAS_INPUT.get(node.op) == idx:
+            if spec_name is None or not tensor.name or bidx == idx:
                 continue
             spec = self.target.spec(spec_name)
             value = ir.constant_value(tensor)
             if (value is not None and value.dtype.kind != "f") or (value is None and not ir.is_float(tensor)):
                 continue
-            if value is None and is_weight_input(node, idx):
+            if value is None and widx == idx:
                 spec = self.target.activation  # a weight slot fed at run time (e.g. attention MatMul)
             spec = self._overridden(node, "weight" if value is not None else "activation", spec)
             if value is not None:
                 axis = None
-                if spec.granularity == "per_channel" and is_weight_input(node, idx):
-                    axis = weight_channel_axis(node, value.ndim)
-                elif spec.granularity == "per_block" and is_weight_input(node, idx) and value.ndim >= 2:
-                    axis = weight_block_axis(node, value.ndim)
+                if spec.granularity == "per_channel" and widx == idx:
+                    axis = info.output_axis(node, value.ndim)
+                elif spec.granularity == "per_block" and widx == idx and value.ndim >= 2:
+                    axis = info.input_axis(node, value.ndim)
                 elif spec.granularity != "per_tensor":
                     spec = spec.with_(granularity="per_tensor", block_size=None)
                 key = (tensor.name, spec, axis)
@@ -200,9 +208,9 @@ class _Planner:
                 self.warnings.append(f"--override {o.text} not honoured at {node.name}: {new.dtype} Q/DQ needs "
                                      f"opset >= {need}, target {self.target.name} emits opset {self.target.opset_min}")
                 continue
-            if new.granularity == "per_channel" and not (role == "weight" and node.op in WEIGHT_OPS):
+            if new.granularity == "per_channel" and not (role == "weight" and weighted_op(node) is not None):
                 self.warnings.append(f"--override {o.text} not honoured at {node.name}: per-channel needs a weight "
-                                     f"input of Conv/ConvTranspose/Gemm/MatMul")
+                                     f"input of {op_names()}")
                 continue
             spec = new
         return spec
@@ -274,15 +282,18 @@ class _Planner:
 
     def _plan_biases(self) -> None:
         for node in self.graph.nodes:
-            bidx = BIAS_INPUT.get(node.op)
+            info = weighted_op(node)
+            bidx = info.bias_input if info is not None else None
             if bidx is None or len(node.inputs) <= bidx or not self.plan.status[node.name][0]:
                 continue
             rule = self.target.ops[node.op]
             mode = rule.bias or self.target.bias
             if mode != "int32" or ir.constant_value(node.inputs[bidx]) is None:
                 continue
-            x, w = node.inputs[0].name, node.inputs[1].name
-            wkey = next((k for k, wq in self.plan.weights.items() if k[0] == w and (node.name, 1) in wq.consumers), None)
+            widx = info.weight_input
+            x, w = node.inputs[0].name, node.inputs[widx].name
+            wkey = next((k for k, wq in self.plan.weights.items()
+                         if k[0] == w and (node.name, widx) in wq.consumers), None)
             if wkey is None or x not in self.plan.activations or wkey[1].granularity == "per_block":
                 continue  # int32 bias needs one weight scale per output channel
             self.plan.biases.append(BiasQuant(node.name, x, wkey))

@@ -6,24 +6,21 @@ import numpy as np
 from oq import ir
 from oq.calibration import observe
 from oq.errors import OqError
-from oq.observers import make_observer
+from oq.observers import accepted_kwargs, make_observer, observer_factory
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.spec import QParams, qparams_from_range, weight_qparams
 
 
 def observer_for(method: str, spec, extra: dict):
-    """An observer for one tensor, told what the spec's grid looks like where the method needs it."""
-    kwargs = {}
-    if spec is not None and method in ("entropy", "mse"):
-        kwargs["bits"] = spec.bits
-        if method == "mse":
-            kwargs["symmetric"] = spec.symmetric
-        elif spec.symmetric and spec.signed:
+    """An observer for one tensor. It gets, of what is known (the spec's grid and the run's observer options), the
+    keyword arguments its factory's signature names, so a registered observer takes part without a table here."""
+    known = dict(extra)
+    if spec is not None:
+        known.update(bits=spec.bits, symmetric=spec.symmetric)
+        if spec.symmetric and spec.signed:
             qmin, qmax = spec.qrange
-            kwargs["levels"] = (qmax - qmin + 1) // 2  # a signed symmetric grid has half its levels per side
-    if method == "percentile" and "percentile" in extra:
-        kwargs["percentile"] = extra["percentile"]
-    return make_observer(method, **kwargs)
+            known["levels"] = (qmax - qmin + 1) // 2  # a signed symmetric grid has half its levels per side
+    return make_observer(method, **accepted_kwargs(observer_factory(method), known))
 
 
 def _finer_power_of_two(qp, observer):

@@ -56,11 +56,7 @@ class Canonicalize(Pass):
             if value is None:
                 continue  # value_float/value_ints etc.: rare, left alone
             out = node.outputs[0]
-            const = gs.Constant(out.name, value)
-            for consumer in list(out.outputs):
-                for i, t in enumerate(consumer.inputs):
-                    if t is out:
-                        consumer.inputs[i] = const
+            ir.replace_all_uses(out, gs.Constant(out.name, value))
             node.outputs.clear()
             changed = True
         if changed:
@@ -73,11 +69,7 @@ class Canonicalize(Pass):
         keep, changed = [], False
         for node in graph.nodes:
             if node.op == "Identity" and node.outputs[0].name not in outputs:
-                src, out = node.inputs[0], node.outputs[0]
-                for consumer in list(out.outputs):
-                    for i, t in enumerate(consumer.inputs):
-                        if t is out:
-                            consumer.inputs[i] = src
+                ir.replace_all_uses(node.outputs[0], node.inputs[0])
                 node.inputs.clear()
                 node.outputs.clear()
                 changed = True
@@ -89,17 +81,11 @@ class Canonicalize(Pass):
     @staticmethod
     def _name_nodes(graph: gs.Graph) -> bool:
         counts = Counter(n.name for n in graph.nodes)
-        taken = {n.name for n in graph.nodes if n.name and counts[n.name] == 1}
+        namer = ir.Namer(taken={n.name for n in graph.nodes if n.name and counts[n.name] == 1})
         changed = False
         for node in graph.nodes:
             if node.name and counts[node.name] == 1:
                 continue
-            base = node.name or node.op.lower()
-            k, name = 0, base
-            while name in taken:
-                k += 1
-                name = f"{base}_{k}"
-            node.name = name
-            taken.add(name)
+            node.name = namer(node.name or node.op.lower())
             changed = True
         return changed

@@ -36,11 +36,7 @@ def _evaluate(node: gs.Node, values: list[np.ndarray | None], opset: int) -> lis
 
 
 def _replace_with_constant(tensor: gs.Variable, value: np.ndarray) -> None:
-    const = gs.Constant(tensor.name, np.asarray(value))
-    for consumer in list(tensor.outputs):
-        for i, t in enumerate(consumer.inputs):
-            if t is tensor:
-                consumer.inputs[i] = const
+    ir.replace_all_uses(tensor, gs.Constant(tensor.name, np.asarray(value)))
 
 
 class FoldConstants(Pass):

@@ -6,6 +6,7 @@ import onnx_graphsurgeon as gs
 
 from oq import fakequant, ir
 from oq.errors import OqError
+from oq.opinfo import weighted_op
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS
 from oq.spec import PACKED_DTYPES, QParams, quantize_array
@@ -79,7 +80,7 @@ class InsertQDQ(Pass):
             dq, out = _dq_node(namer, wq.tensor, q, scale, zp, wq.axis, list(value.shape), value.dtype,
                                wq.qparams.block_size)
             if wq.spec.dtype in PACKED_DTYPES:  # 4-bit values sit in 8-bit containers until export packs them
-                ctx.facts.setdefault("packed", {}).update({q.name: wq.spec.dtype, zp.name: wq.spec.dtype})
+                plan.packed.update({q.name: wq.spec.dtype, zp.name: wq.spec.dtype})
             new_nodes.append(dq)
             for node_name, idx in wq.consumers:
                 nodes[node_name].inputs[idx] = out
@@ -87,7 +88,8 @@ class InsertQDQ(Pass):
         for bq in plan.biases:
             node = nodes[bq.node]
             aq, wq = plan.activations[bq.input_tensor], plan.weights[bq.weight_key]
-            bias_t = node.inputs[2]
+            bidx = weighted_op(node).bias_input
+            bias_t = node.inputs[bidx]
             bias = ir.constant_value(bias_t)
             if bias.dtype != np.float32:
                 notes.append(f"{node.name}: {bias.dtype} bias kept in float (int32 bias needs float32 scales)")
@@ -104,7 +106,7 @@ class InsertQDQ(Pass):
             qc = gs.Constant(namer(f"{bias_t.name}_quantized"), q.astype(np.int32))
             dq, out = _dq_node(namer, bias_t.name, qc, s, zp, 0, list(bias.shape))
             new_nodes.append(dq)
-            node.inputs[2] = out
+            node.inputs[bidx] = out
 
         graph_outputs = {t.name for t in graph.outputs}
         for name, aq in plan.activations.items():

@@ -74,7 +74,7 @@ def test_callable_source(cnn, tmp_path, monkeypatch):
         oq.quantize(path, "tensorrt", "oq_test_feeds:wrong", progress=False)
     with pytest.raises(OqError, match="sample 0 is a ndarray"):
         oq.quantize(path, "tensorrt", "oq_test_feeds:notdict", progress=False)
-    with pytest.raises(OqError, match="has no function 'missing'"):
+    with pytest.raises(OqError, match="has no attribute 'missing'"):
         oq.quantize(path, "tensorrt", "oq_test_feeds:missing", progress=False)
     with pytest.raises(OqError, match="cannot import module 'no_such_mod_xyz'"):
         oq.quantize(path, "tensorrt", "no_such_mod_xyz:f", progress=False)

@@ -8,7 +8,7 @@ import oq
 from conftest import run_onnx
 from oq import ir
 from oq.errors import OqError, PassError
-from oq.passes.fuse_patterns import find_fusions
+from oq.fusions import find_fusions
 from oq.passmanager import Context, FixedPoint, Pass, PassManager, PassResult
 from oq.report import Report
 

@@ -18,6 +18,7 @@ every quantity computed from them is too. Memory per observer is fixed (4 * bins
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 from ..errors import OqError
@@ -27,7 +28,8 @@ from .histogram import HistogramObserver, PercentileObserver
 from .mse import MSEObserver
 
 __all__ = ["Observer", "MinMaxObserver", "EMAObserver", "HistogramObserver", "PercentileObserver", "EntropyObserver",
-           "MSEObserver", "kl_divergences", "kl_threshold_bins", "register_observer", "observer_names", "make_observer"]
+           "MSEObserver", "kl_divergences", "kl_threshold_bins", "register_observer", "observer_names", "make_observer", "observer_factory",
+           "accepted_kwargs"]
 
 _REGISTRY: dict[str, Callable[..., Observer]] = {
     "minmax": MinMaxObserver,
@@ -45,6 +47,25 @@ def register_observer(name: str, factory: Callable[..., Observer]) -> None:
 
 def observer_names() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def observer_factory(name: str) -> Callable[..., Observer]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise OqError(f"unknown calibration method {name!r}; available: {', '.join(observer_names())}") from None
+
+
+def accepted_kwargs(factory: Callable, known: dict) -> dict:
+    """The entries of `known` that `factory` takes as keywords (all of them if it takes **kwargs)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # builtins without a signature: give nothing
+        return {}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return dict(known)
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in known.items() if k in names}
 
 
 def make_observer(name: str, **kwargs) -> Observer:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-CPU_CHOICES = ("auto", "vnni", "avx2", "avx512", "arm64")
+from ..config import CPU_CHOICES  # noqa: F401  (one list of CPUs, validated with the run options)
+
 SATURATING_CPUS = ("avx2", "avx512")
 CPU_WORDS = {
     "vnni": "x86 with VNNI (VPDPBUSD: exact int32 accumulation)",

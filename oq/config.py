@@ -1,0 +1,130 @@
+"""One typed run configuration: every option of `oq run` / `oq.quantize`, validated once.
+
+The CLI and the Python API both build a RunConfig; passes receive the values they need through their constructors
+and never see the whole configuration or the command line. Errors name the option as the user spelled it on the
+command line (and its keyword in the API).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import OqError
+
+CPU_CHOICES = ("auto", "vnni", "avx2", "avx512", "arm64")
+EXPORT_FORMATS = ("qdq", "qoperator")
+
+# keyword -> command-line flag, so one message serves both entry points
+FLAGS = {"target": "--target", "calib": "--calib", "batch_size": "--batch-size", "calib_size": "--calib-size",
+         "calib_method": "--calib-method", "percentile": "--percentile", "max_memory_mb": "--max-memory",
+         "preprocess": "--preprocess", "exclude": "--exclude", "overrides": "--override",
+         "weight_bits": "--weight-bits", "act_bits": "--act-bits", "cpu": "--cpu", "equalize": "--equalize",
+         "export_format": "--format", "progress": "--quiet", "plugins": "--plugin"}
+
+
+def option_error(name: str, problem: str) -> OqError:
+    flag = FLAGS.get(name)
+    where = f"{flag} ({name})" if flag and flag.lstrip("-").replace("-", "_") != name else (flag or name)
+    return OqError(f"{where}: {problem}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a quantization run is told. Build with keywords; `validate()` runs on construction."""
+
+    target: Any = "tensorrt"  # built-in name, a .toml path, or an oq.target.Target
+    calib: Any = None  # .npz / folder / "module:function" / "random" / callable / oq.data.CalibrationData
+    batch_size: int = 16
+    calib_size: int | None = None
+    calib_method: str | None = None  # an observer name; None: the target's choice per spec
+    percentile: float | None = None
+    max_memory_mb: float | None = None
+    preprocess: str | None = None
+    exclude: tuple[str, ...] = ()
+    overrides: tuple[str, ...] = ()
+    weight_bits: int | None = None
+    act_bits: int | None = None
+    cpu: str = "auto"
+    equalize: bool | None = None  # None: as the target says
+    export_format: str = "qdq"
+    # None: a progress bar only when stderr is a terminal; True: always; False: never
+    progress: bool | None = None
+    plugins: tuple[str, ...] = ()  # modules imported before anything else (they may register observers)
+    pipeline: str = "oq.passes.pipeline"  # module providing preparation() and quantization() pass lists
+
+    def __post_init__(self):
+        for name in ("exclude", "overrides", "plugins"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = (value,)
+            object.__setattr__(self, name, tuple(value or ()))
+        self.validate()
+
+    def validate(self) -> None:
+        from .plugins import load_plugins
+
+        load_plugins(self.plugins)  # first: what they register (observers) is then known to the checks below
+        for name in ("batch_size", "calib_size", "weight_bits", "act_bits"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise option_error(name, f"must be an integer, got {value!r}")
+        if self.batch_size < 1:
+            raise option_error("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.calib_size is not None and self.calib_size < 1:
+            raise option_error("calib_size", f"must be >= 1, got {self.calib_size}")
+        for name in ("weight_bits", "act_bits"):
+            bits = getattr(self, name)
+            if bits is not None and not 2 <= bits <= 16:
+                raise option_error(name, f"must be between 2 and 16, got {bits}")
+        if self.percentile is not None and not 50.0 <= self.percentile <= 100.0:
+            raise option_error("percentile", f"must be between 50 and 100, got {self.percentile}")
+        if self.max_memory_mb is not None and not self.max_memory_mb > 0:
+            raise option_error("max_memory_mb", f"must be a positive number of MB, got {self.max_memory_mb}")
+        if self.cpu not in CPU_CHOICES:
+            raise option_error("cpu", f"unknown cpu {self.cpu!r}; choose from {', '.join(CPU_CHOICES)}")
+        if self.export_format not in EXPORT_FORMATS:
+            raise option_error("export_format", f"unknown export format {self.export_format!r}; choose "
+                               f"{' or '.join(EXPORT_FORMATS)}")
+        for pattern in self.exclude:
+            if not pattern:
+                raise option_error("exclude", "empty pattern")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise option_error("exclude", f"{pattern!r} is not a valid regular expression ({exc})") from None
+        from .overrides import parse_override
+
+        for text in self.overrides:
+            parse_override(text)  # its errors name --override and the entry
+        if self.calib_method is not None:
+            from .observers import observer_names
+
+            if self.calib_method not in observer_names():
+                raise option_error("calib_method", f"unknown method {self.calib_method!r}; available: "
+                                   f"{', '.join(observer_names())} (register your own with oq.register_observer, "
+                                   f"from the CLI through --plugin MODULE)")
+
+    @property
+    def observer_args(self) -> dict[str, Any]:
+        """Options an observer may take; each observer gets those its signature names."""
+        return {} if self.percentile is None else {"percentile": self.percentile}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain values (for the report)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "target" and not isinstance(value, str):
+                value = getattr(value, "name", str(value))
+            elif f.name == "calib" and not isinstance(value, (str, type(None))):
+                value = getattr(value, "where", None) or getattr(value, "__name__", type(value).__name__)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+
+def keyword_names() -> list[str]:
+    return [f.name for f in fields(RunConfig)]
+
+
+__all__ = ["RunConfig", "CPU_CHOICES", "EXPORT_FORMATS", "option_error", "keyword_names"]

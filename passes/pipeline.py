@@ -1,0 +1,49 @@
+"""The built-in pass pipeline: which passes a run is made of, in order, each built from the run's options.
+
+oq's core finds this module by name (RunConfig.pipeline), so core never imports a pass; another pipeline module
+with the same two functions can stand in for it.
+"""
+from __future__ import annotations
+
+from oq.config import RunConfig
+from oq.passmanager import FixedPoint, Pass
+from oq.target import Target
+
+from .annotate import Annotate
+from .calibrate import Calibrate
+from .canonicalize import Canonicalize
+from .dead_code import RemoveDeadNodes
+from .equalize import CrossLayerEqualization
+from .export import AttachFunctions, EmitSideFiles, ExportGraph, PackInt4, StampModel, ToQOperator
+from .finalize import Finalize
+from .fold_bn import FoldBatchNorm
+from .fold_constants import FoldConstants
+from .fuse_patterns import FusePatterns
+from .insert_qdq import InsertQDQ
+from .saturation import GuardSaturation
+from .shape_inference import InferShapes
+from .sink_activation import SinkActivationBelowMaxPool
+
+
+def preparation(min_opset: int = 13) -> list[Pass]:
+    """Graph clean-up every run starts with; the target only sets the minimum opset."""
+    return [Canonicalize(min_opset), InferShapes(),
+            FixedPoint("fold", [FoldConstants(), FoldBatchNorm(), RemoveDeadNodes()]),
+            InferShapes()]
+
+
+def quantization(config: RunConfig, target: Target, data, *, min_opset: int, version: str) -> list[Pass]:
+    """Preparation, then quantization for `target` on calibration `data`, then export."""
+    equalize = target.cross_layer_equalization if config.equalize is None else config.equalize
+    passes: list[Pass] = preparation(min_opset)
+    if equalize:
+        passes.append(CrossLayerEqualization())
+    passes += [FusePatterns(), Annotate(config.exclude, config.overrides),
+               Calibrate(data, config.batch_size, config.calib_method, config.progress, config.max_memory_mb,
+                         config.observer_args),
+               GuardSaturation(data, config.cpu, config.batch_size),
+               InsertQDQ(), SinkActivationBelowMaxPool(), Finalize(),
+               ExportGraph(), PackInt4(), StampModel(version), AttachFunctions()]
+    if config.export_format == "qoperator":
+        passes.append(ToQOperator())
+    return passes + [EmitSideFiles()]

@@ -13,7 +13,7 @@ import onnx
 
 from . import ir
 from .config import RunConfig, keyword_names
-from .data import CalibrationData, RandomSource, model_inputs, open_calibration
+from .data import RandomSource, model_inputs, open_calibration
 from .errors import OqError
 from .passmanager import Context, PassManager
 from .plugins import resolve

@@ -13,7 +13,7 @@ import onnxruntime as ort
 from onnx import helper
 from tqdm import tqdm
 
-from . import ir
+from . import runtime
 from .data import CalibrationData
 from .errors import OqError
 from .observers import Observer
@@ -21,17 +21,11 @@ from .probes import add_probes, deliver, plan_probes
 
 
 def _session(model: onnx.ModelProto, workdir: Path) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
     # onnxruntime's default (highest) level, as the model will run: its blocked NCHWc convolutions are about twice
     # as fast here, and the probes pool on the blocked layout, so only their small outputs are reordered.
     # No memory pattern: it reserves a block for the whole plan on top of the arena; without it calibration ran at
     # the same speed with about half the peak memory (mobilenet_mini at 224x224, batch 16).
-    opts.enable_mem_pattern = False
-    if ir.model_size(model) > ir.EXTERNAL_DATA_THRESHOLD:
-        path = ir.save_model(model, workdir / "calibration.onnx", external_data=True)
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return runtime.session(model, "all", mem_pattern=False)
 
 
 def feed_symbols(input_types: dict, feed: dict[str, np.ndarray]) -> dict[str, int]:

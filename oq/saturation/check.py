@@ -3,7 +3,6 @@ whole model's outputs as an x86 CPU without VNNI computes them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -11,7 +10,7 @@ from onnx import helper
 
 from .layers import IntLayer, find_layers
 from .pairs import INT16_MAX, exceeds_int16, largest, order_free_bounds, pair_bounds, pair_count
-from .runtime import _options, _session, _with_outputs, capture
+from .runtime import _session, _with_outputs, capture
 
 
 @dataclass
@@ -127,18 +126,12 @@ def fused_layers(model: onnx.ModelProto, layers: list[IntLayer]) -> set[str] | N
     model (extended level, where the QDQ fusions run; the choice does not depend on the CPU's VNNI support). A
     layer that stays DQ -> Conv -> Q runs in float and cannot saturate (e.g. onnxruntime leaves a Conv unfused when
     its input's DequantizeLinear also feeds other nodes). None if onnxruntime cannot optimise the model."""
-    import tempfile
-
-    import onnxruntime as ort
+    from ..runtime import optimized as runtime_optimized
 
     already = {l.name for l in layers if any(n.op_type.startswith("QLinear") and (n.name or n.output[0]) == l.name
                                              for n in model.graph.node)}
     try:
-        with tempfile.TemporaryDirectory(prefix="oq-fused-") as tmp:
-            so = _options("ORT_ENABLE_EXTENDED")
-            so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
-            ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-            optimized = onnx.load(so.optimized_model_filepath)
+        optimized = runtime_optimized(model, "extended")
     except Exception:  # noqa: BLE001 - the caller falls back to "every layer fuses"
         return None
     names, outputs = set(), set()

@@ -2,37 +2,18 @@
 intermediate tensors as extra outputs, and capturing their values on a stream of feeds."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 import onnx
 
-from .. import ir
-
-
-def _options(level: str = "ORT_DISABLE_ALL"):
-    """Quiet onnxruntime session options at a graph optimisation level (a GraphOptimizationLevel name)."""
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    return so
 
 
 def _session(model: onnx.ModelProto):
     """A CPU session with optimisations off; models past the protobuf limit go through external data."""
-    import tempfile
+    from ..runtime import session
 
-    import onnxruntime as ort
-
-    so = _options()
-    if ir.model_size(model) > ir.EXTERNAL_DATA_THRESHOLD:
-        with tempfile.TemporaryDirectory(prefix="oq-saturation-") as tmp:
-            path = ir.save_model(model, Path(tmp) / "model.onnx", external_data=True)
-            return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return session(model, "disable")
 
 
 def _with_outputs(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:

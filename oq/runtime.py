@@ -1,0 +1,51 @@
+"""The one onnxruntime session factory: quiet CPU sessions at a chosen optimisation level, for models of any size.
+
+Calibration, the saturation check and the QOperator export all get their sessions here, so logging, providers and
+the >2 GB path (the model goes through a temporary file with external data) are decided once.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from . import ir
+
+LEVELS = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+          "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
+PROVIDERS = ["CPUExecutionProvider"]
+
+
+def options(level: str = "all", *, mem_pattern: bool = True, optimized_path: "str | Path | None" = None
+            ) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = LEVELS[level]
+    so.enable_mem_pattern = mem_pattern
+    if optimized_path is not None:
+        so.optimized_model_filepath = str(optimized_path)
+    return so
+
+
+def session(model: "onnx.ModelProto | str | Path", level: str = "all", *, mem_pattern: bool = True,
+            optimized_path: "str | Path | None" = None) -> ort.InferenceSession:
+    """A CPU InferenceSession. A ModelProto past the protobuf limit is written with external data to a temporary
+    folder first (onnxruntime has read it all by the time the session exists)."""
+    so = options(level, mem_pattern=mem_pattern, optimized_path=optimized_path)
+    if not isinstance(model, onnx.ModelProto):
+        return ort.InferenceSession(str(model), so, providers=PROVIDERS)
+    if ir.model_size(model) > ir.EXTERNAL_DATA_THRESHOLD:
+        with tempfile.TemporaryDirectory(prefix="oq-session-") as tmp:
+            path = ir.save_model(model, Path(tmp) / "model.onnx", external_data=True)
+            return ort.InferenceSession(str(path), so, providers=PROVIDERS)
+    return ort.InferenceSession(model.SerializeToString(), so, providers=PROVIDERS)
+
+
+def optimized(model: onnx.ModelProto, level: str = "extended") -> onnx.ModelProto:
+    """The model as onnxruntime's graph optimizer rewrites it at `level` (what its CPU provider would run)."""
+    with tempfile.TemporaryDirectory(prefix="oq-optimized-") as tmp:
+        out = Path(tmp) / "optimized.onnx"
+        session(model, level, optimized_path=out)
+        return onnx.load(str(out))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,12 +142,66 @@ class BoundRunner:
         return [feed[name] if name in feed else buf for name, buf in zip(self.names, self.buffers)]
 
 
+class _FinalLine:
+    """Progress for a stream that is not a terminal (a log file, a pipe): nothing while running, then one plain line
+    per streaming pass, with no carriage returns and no padding."""
+
+    def __init__(self, desc: str, stream):
+        self.desc, self.stream, self.n, self.start = desc, stream, 0, time.perf_counter()
+
+    def update(self, count: int) -> None:
+        self.n += count
+
+    def close(self) -> None:
+        seconds = time.perf_counter() - self.start
+        rate = f" ({self.n / seconds:.0f} samples/s)" if seconds > 0 and self.n else ""
+        self.stream.write(f"{self.desc}: {self.n} samples in {seconds:.2f}s{rate}\n")
+        self.stream.flush()
+
+
+class _NoProgress:
+    def update(self, count: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _isatty(stream) -> bool:
+    try:
+        return bool(stream is not None and stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def progress_reporter(progress: "bool | str | None", desc: str, total: int | None):
+    """What shows calibration progress on sys.stderr (looked up now, so a redirected stderr is honoured).
+
+    progress: None or "auto" (the default): a live tqdm bar when stderr is a terminal, else nothing at all.
+    True: always report; a live bar on a terminal, else a single final line per streaming pass (no carriage
+    returns). False: never. The live bar is cleared when it closes (leave=False)."""
+    if progress is None or (isinstance(progress, str) and progress == "auto"):
+        wanted = None
+    elif isinstance(progress, (bool, np.bool_)):
+        wanted = bool(progress)
+    else:
+        raise OqError(f"progress must be None or 'auto' (a bar on a terminal only), True or False, got {progress!r}")
+    stream = sys.stderr
+    if wanted is False or stream is None:
+        return _NoProgress()
+    if _isatty(stream):
+        return tqdm(total=total, unit="sample", desc=desc, file=stream, leave=False, dynamic_ncols=True)
+    return _FinalLine(desc, stream) if wanted else _NoProgress()
+
+
 def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: CalibrationData, batch_size: int = 1,
-            progress: bool = True, max_memory_mb: float | None = None) -> dict:
+            progress: "bool | str | None" = None, max_memory_mb: float | None = None) -> dict:
     """Stream `data` through one onnxruntime session, updating observers[tensor] with every batch.
 
     With max_memory_mb, the observed tensors are split into groups whose outputs for one batch fit the budget, and
-    the data is streamed once per group (observers see the same values either way)."""
+    the data is streamed once per group (observers see the same values either way). progress: None or "auto" (a
+    bar only when stderr is a terminal), True (always: a bar on a terminal, one final line per pass otherwise) or
+    False (never); see progress_reporter."""
     names = list(observers)
     start = time.perf_counter()
     probes = plan_probes(model, observers)
@@ -166,7 +221,7 @@ def observe(model: onnx.ModelProto, observers: dict[str, Observer], data: Calibr
         pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
         for k, group in enumerate(groups):
             desc = "calibrating" if len(groups) == 1 else f"calibrating {k + 1}/{len(groups)}"
-            bar = tqdm(total=len(data) or None, unit="sample", desc=desc, disable=not progress, leave=False)
+            bar = progress_reporter(progress, desc, len(data) or None)
             samples = 0
             fetch = list(dict.fromkeys(f for name in group for f in probes[name].fetch))
             runner = BoundRunner(session, model, fetch)

@@ -49,7 +49,7 @@ class RunConfig:
     equalize: bool | None = None  # None: as the target says
     export_format: str = "qdq"
     # None: a progress bar only when stderr is a terminal; True: always; False: never
-    progress: bool | None = None
+    progress: bool | str | None = None
     plugins: tuple[str, ...] = ()  # modules imported before anything else (they may register observers)
     pipeline: str = "oq.passes.pipeline"  # module providing preparation() and quantization() pass lists
 
@@ -81,6 +81,9 @@ class RunConfig:
             raise option_error("percentile", f"must be between 50 and 100, got {self.percentile}")
         if self.max_memory_mb is not None and not self.max_memory_mb > 0:
             raise option_error("max_memory_mb", f"must be a positive number of MB, got {self.max_memory_mb}")
+        if not (self.progress is None or isinstance(self.progress, bool) or self.progress == "auto"):
+            raise OqError(f"progress must be None or 'auto' (a bar on a terminal only), True or False, got "
+                          f"{self.progress!r}")
         if self.cpu not in CPU_CHOICES:
             raise option_error("cpu", f"unknown cpu {self.cpu!r}; choose from {', '.join(CPU_CHOICES)}")
         if self.export_format not in EXPORT_FORMATS:

@@ -15,11 +15,28 @@ def _shape(vi: onnx.ValueInfoProto) -> str:
     return f"{onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else '?'}[{', '.join(dims)}]"
 
 
+# onnxruntime's integer kernels (QOperator format): they take quantized tensors directly, with no DequantizeLinear
+INTEGER_KERNELS = ("QGemm", "ConvInteger", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
+                   "QAttention", "QEmbedLayerNormalization")
+
+
+def integer_kernel(node: onnx.NodeProto) -> bool:
+    return node.op_type.startswith("QLinear") or node.op_type in INTEGER_KERNELS
+
+
+def dq_readers(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """Nodes (other than Q/DQ and integer kernels) that read at least one DequantizeLinear output: where a backend
+    that fuses Q/DQ runs on quantized data. Ops fused into such a node in the backend (the ReLU after a Conv) read a
+    float tensor in the graph, so they are not counted here, though `oq run` counts them as quantized."""
+    dq_outputs = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
+    return [n for n in model.graph.node if n.op_type not in QDQ and not integer_kernel(n)
+            and any(i in dq_outputs for i in n.input)]
+
+
 def quantized_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     """Nodes (other than Q/DQ) that read at least one DequantizeLinear output, or integer-kernel ops."""
-    dq_outputs = {o for n in model.graph.node if n.op_type == "DequantizeLinear" for o in n.output}
-    return [n for n in model.graph.node if n.op_type not in QDQ and
-            (any(i in dq_outputs for i in n.input) or n.op_type.startswith("QLinear"))]
+    readers = {id(n) for n in dq_readers(model)}
+    return [n for n in model.graph.node if id(n) in readers or integer_kernel(n)]
 
 
 def describe(model: onnx.ModelProto, path: str = "") -> str:
@@ -40,10 +57,16 @@ def describe(model: onnx.ModelProto, path: str = "") -> str:
     lines += ["", "ops:"]
     for op, k in Counter(n.op_type for n in g.node).most_common():
         lines.append(f"  {op:<28} {k}")
-    q = quantized_nodes(model)
+    readers = dq_readers(model)
+    kernels = [n for n in g.node if integer_kernel(n)]
     n_qdq = sum(1 for n in g.node if n.op_type in QDQ)
-    lines += ["", f"quantized: {len(q)} nodes run on quantized inputs ({n_qdq} Q/DQ nodes)"]
-    if q:
-        for op, k in Counter(n.op_type for n in q).most_common():
+    lines += ["", f"quantized: {len(readers)} nodes read a DequantizeLinear output ({n_qdq} Q/DQ nodes)"]
+    for op, k in Counter(n.op_type for n in readers).most_common():
+        lines.append(f"  {op:<28} {k}")
+    if kernels:
+        lines.append(f"quantized: {len(kernels)} nodes are integer kernels (QLinear*, QGemm, ...)")
+        for op, k in Counter(n.op_type for n in kernels).most_common():
             lines.append(f"  {op:<28} {k}")
+    if readers or kernels:
+        lines.append("(`oq run` also counts the ops the backend fuses into these, such as a Conv's ReLU, as quantized)")
     return "\n".join(lines)

@@ -48,24 +48,32 @@ class Report:
         return json.dumps(self.to_dict(), indent=2)
 
     def format_table(self, max_float_rows: int = 12) -> str:
+        # the pass column is as wide as the longest pass name; "changed" is left-aligned under its header, the
+        # numbers right-aligned under theirs
+        width = max([len("pass")] + [len(p.name) for p in self.passes])
+        digits = max([1] + [len(str(p.nodes_before)) for p in self.passes])
         lines = [f"oq: {self.model} -> target {self.target}", "",
-                 f"{'pass':<22}{'changed':>8}{'time':>10}{'nodes':>14}"]
+                 f"{'pass':<{width}}  {'changed':<7}{'time':>10}   nodes"]
         for p in self.passes:
-            lines.append(f"{p.name:<22}{'yes' if p.modified else 'no':>8}{p.seconds * 1000:>8.0f}ms"
-                         f"{p.nodes_before:>7}->{p.nodes_after:<6}")
+            lines.append(f"{p.name:<{width}}  {'yes' if p.modified else 'no':<7}{p.seconds * 1000:>8.0f}ms"
+                         f"   {p.nodes_before:>{digits}}->{p.nodes_after}")
             for note in p.notes[:4]:
                 lines.append(f"    {note}")
             if len(p.notes) > 4:
                 lines.append(f"    ... {len(p.notes) - 4} more")
         q = self.quantized_nodes
         by_op = Counter(n.op for n in q)
-        lines += ["", f"quantized {len(q)} of {len(self.nodes)} nodes: "
+        # the nodes the target's plan runs on quantized data, ops fused into a quantized kernel (the ReLU of a
+        # Conv+ReLU) included; `oq inspect` counts only the nodes that read a DequantizeLinear output
+        lines += ["", f"quantized {len(q)} of {len(self.nodes)} nodes (incl. ops fused into quantized kernels): "
                   + ", ".join(f"{op} x{k}" for op, k in by_op.most_common())]
         reasons = Counter((n.op, n.reason) for n in self.nodes if not n.quantized)
         if reasons:
             lines.append("left in float:")
-            for (op, reason), k in reasons.most_common(max_float_rows):
-                lines.append(f"  {op:<20} x{k:<4} {reason}")
+            shown = reasons.most_common(max_float_rows)
+            op_width = max(20, *(len(op) for (op, _), _ in shown))
+            for (op, reason), k in shown:
+                lines.append(f"  {op:<{op_width}} x{k:<4} {reason}")
             if len(reasons) > max_float_rows:
                 lines.append(f"  ... {len(reasons) - max_float_rows} more (see --report)")
         if self.calibration:
@@ -77,4 +85,4 @@ class Report:
             lines.append(f"warning: {w}")
         for f in self.side_files:
             lines.append(f"wrote {f}")
-        return "\n".join(lines)
+        return "\n".join(line.rstrip() for line in lines)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -31,6 +32,12 @@ OP_KEYS = {"inputs", "output", "bias", "when", "min_input_channels"}
 # always: quantize wherever the op appears; inputs_quantized: only where every run-time input already arrives
 # quantized (e.g. a residual Add between quantized convs, not one on a transformer's float residual stream)
 WHEN_MODES = ("always", "inputs_quantized")
+
+# a sentence ends at . ! or ? followed by a space or the end, unless the word is one of these abbreviations
+_SENTENCE_END = re.compile(r"(?<!\.\.)[.!?](?= |$)")  # not the last dot of "..."
+_ABBREVIATIONS = {"e.g.", "i.e.", "cf.", "vs.", "approx.", "(e.g.", "(i.e.", "(cf."}
+# words a cut summary does not end on
+_DANGLING = {"a", "an", "and", "as", "at", "by", "for", "from", "in", "into", "of", "on", "or", "the", "to", "with"}
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,21 @@ class Target:
     def activation(self) -> QuantSpec:
         return self.specs[self.activation_spec]
 
-    def summary(self) -> str:
-        return self.description.splitlines()[0] if self.description else ""
+    def summary(self, width: int = 85) -> str:
+        """The description's first sentence on one line, or, when longer than `width` characters, its words up to a
+        word boundary followed by "…". (`oq targets` prints it after a 15-character name column: 100 in all.)"""
+        text = " ".join(self.description.split())
+        end = next((m.end() for m in _SENTENCE_END.finditer(text)
+                    if text[:m.end()].rsplit(" ", 1)[-1].lower() not in _ABBREVIATIONS), len(text))
+        sentence = text[:end]
+        if len(sentence) <= width:
+            return sentence
+        # whole words that end before the last space within `width` characters: at most width - 1, then "…"
+        head = sentence[:width]
+        words = head.split(" ")[:-1] if " " in head else [sentence[:width - 1]]
+        while len(words) > 1 and words[-1].lower().strip(",;:(") in _DANGLING:
+            words.pop()
+        return " ".join(words).rstrip(" ,;:([-/") + "…"
 
     def describe(self) -> str:
         lines = [f"target {self.name} ({self.source})", f"  {self.description}", "",

@@ -50,7 +50,7 @@ class Calibrate(Pass):
     name = "calibrate"
     requires = (has_plan,)
 
-    def __init__(self, data, batch_size: int = 1, method: str | None = None, progress: bool = True,
+    def __init__(self, data, batch_size: int = 1, method: str | None = None, progress: bool | None = None,
                  max_memory_mb: float | None = None, observer_args: dict | None = None):
         self.data, self.batch_size, self.method, self.progress = data, batch_size, method, progress
         self.max_memory_mb = max_memory_mb

@@ -14,7 +14,8 @@ import onnx
 from . import ir
 from .config import RunConfig, keyword_names
 from .data import RandomSource, model_inputs, open_calibration
-from .errors import OqError
+from .errors import InternalError, OqError
+from .outputs import OutputPlan, calibration_files, model_files
 from .passmanager import Context, PassManager
 from .plugins import resolve
 from .report import NodeRecord, Report
@@ -30,20 +31,31 @@ class QuantResult:
     target: Target
     # side files the target emits, keyed by the suffix appended to the output's stem (e.g. ".calib.cache")
     side_files: dict[str, bytes] = field(default_factory=dict)
+    # the files the run read (model, external data, calibration data): never to be written over
+    inputs: list[Path] = field(default_factory=list)
 
-    def save(self, path: "str | os.PathLike") -> Path:
-        """Write the model (and the target's side files beside it), each file atomically."""
-        path = ir.save_model(self.model, path)
-        if ir.model_size(self.model) >= ir.EXTERNAL_DATA_THRESHOLD:
-            # too big to check in memory before writing: check the written file (external data included)
-            try:
-                onnx.checker.check_model(str(path), full_check=True)
-            except Exception as exc:
-                raise OqError(f"internal error: {path} fails onnx.checker: {str(exc).splitlines()[0]}") from None
-        for suffix, content in self.side_files.items():
-            side = path.with_name(path.stem + suffix)
-            ir.write_atomic(side, content)
-            self.report.side_files.append(str(side))
+    def output_plan(self, path: "str | os.PathLike", report: "str | os.PathLike | None" = None) -> OutputPlan:
+        return OutputPlan(Path(path), self.inputs, list(self.side_files), Path(report) if report else None)
+
+    def save(self, path: "str | os.PathLike", report: "str | os.PathLike | None" = None) -> Path:
+        """Write the model, the target's side files beside it and (given a path) the report as JSON: all of them or
+        none, never over an input file."""
+        path = Path(path)
+
+        def verify(staged: Path) -> None:
+            if ir.model_size(self.model) >= ir.EXTERNAL_DATA_THRESHOLD:
+                # too big to check in memory: check the written file (external data included) before it is placed
+                try:
+                    onnx.checker.check_model(str(staged), full_check=True)
+                except Exception as exc:
+                    raise InternalError(f"the quantized model fails onnx.checker: {str(exc).splitlines()[0]}")
+
+        def report_bytes(side_paths: list[Path]) -> bytes:
+            self.report.side_files = [str(p) for p in side_paths]
+            return self.report.to_json().encode()
+
+        side_paths = self.output_plan(path, report).commit(self.model, self.side_files, report_bytes, verify)
+        self.report.side_files = [str(p) for p in side_paths]
         return path
 
 
@@ -68,6 +80,19 @@ def _refuse_quantized(proto: onnx.ModelProto, name: str) -> None:
                       f"model (oq inspect --saturation checks an existing Q/DQ model)")
 
 
+def _checker_problem(proto: onnx.ModelProto, source) -> str | None:
+    """Why the input fails onnx.checker, if it does. onnxruntime runs many such models (e.g. value infos without a
+    shape field), so this is not refused; it is what a failing check of the output is blamed on."""
+    try:
+        if ir.model_size(proto) < ir.EXTERNAL_DATA_THRESHOLD:
+            onnx.checker.check_model(proto)
+        elif not isinstance(source, onnx.ModelProto):
+            onnx.checker.check_model(str(source))
+    except Exception as exc:
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return None
+
+
 def _resolve_target(config: RunConfig) -> Target:
     tgt = load_target(config.target)
     if config.weight_bits is not None or config.act_bits is not None:
@@ -88,7 +113,8 @@ def run(model, config: RunConfig) -> QuantResult:
     data = open_calibration(config.calib, model_inputs(proto), config.calib_size, config.preprocess)
     template = onnx.ModelProto(doc_string=proto.doc_string, model_version=proto.model_version, domain=proto.domain)
     template.metadata_props.extend(proto.metadata_props)
-    ctx = Context(graph=ir.to_graph(proto), target=tgt, template=template, report=Report(model=name, target=tgt.name))
+    ctx = Context(graph=ir.to_graph(proto), target=tgt, template=template, report=Report(model=name, target=tgt.name),
+                  input_checker_problem=_checker_problem(proto, model))
     if isinstance(data, RandomSource):
         ctx.report.warnings.append("calibrated on random data: ranges do not reflect real inputs, expect poor "
                                    "accuracy")
@@ -100,13 +126,16 @@ def run(model, config: RunConfig) -> QuantResult:
     del proto
     from . import __version__
 
+    calib_files = calibration_files(config.calib)
+    ctx.report.options = config.as_dict()
     passes = resolve(f"{config.pipeline}:quantization", "pipeline")(config, tgt, data, min_opset=min_opset,
-                                                                     version=__version__)
+                                                                     version=__version__, calib_files=calib_files)
     PassManager(passes).run(ctx)
     op_of = {n.name: n.op for n in ctx.graph.nodes}
     for node_name, (quantized, reason) in ctx.plan.status.items():
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
-    return QuantResult(ctx.model, ctx.report, tgt, dict(ctx.side_files))
+    inputs = (model_files(model) if not isinstance(model, onnx.ModelProto) else []) + calib_files
+    return QuantResult(ctx.model, ctx.report, tgt, dict(ctx.side_files), inputs)
 
 
 def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_size: int = 16,

@@ -75,15 +75,17 @@ def _config(args) -> RunConfig:
 
 def _run(args) -> int:
     from .api import run
+    from .emit import SIDE_FILE_SUFFIX
+    from .outputs import OutputPlan, calibration_files, model_files
+    from .target import load_target
 
-    if Path(args.output).resolve() == Path(args.model).resolve():
-        raise OqError("output path is the input model; oq never overwrites its input")
-    result = run(args.model, _config(args))
-    result.save(args.output)
-    if args.report:
-        from .ir import write_atomic
-
-        write_atomic(Path(args.report), result.report.to_json().encode())
+    config = _config(args)
+    # every output path is checked before any work: a run never fails after writing, nor writes over an input
+    suffixes = [SIDE_FILE_SUFFIX[name] for name in load_target(config.target).side_files]
+    inputs = model_files(args.model) + calibration_files(args.calib)
+    OutputPlan(Path(args.output), inputs, suffixes, Path(args.report) if args.report else None).validate()
+    result = run(args.model, config)
+    result.save(args.output, report=args.report)
     for warning in result.report.warnings:
         print(f"oq: warning: {warning}", file=sys.stderr)
     if not args.quiet:

@@ -10,6 +10,7 @@ from typing import Callable
 
 import numpy as np
 
+from .errors import OqError
 from .plan import QuantPlan
 
 
@@ -36,6 +37,9 @@ def tensorrt_calibration_cache(plan: QuantPlan) -> tuple[str, bytes]:
     with scale = amax / 127 (TensorRT's symmetric int8)."""
     lines = ["TRT-8600-EntropyCalibration2"]
     for name, amax in _amax(plan).items():
+        if any(c in name for c in "\r\n"):  # one line per tensor: such a name would forge lines of its own
+            raise OqError(f"tensor name {name!r} contains a line break, which a TensorRT calibration cache cannot "
+                          f"carry; rename the tensor in the model")
         scale = np.float32(amax / 127.0)
         lines.append(f"{name}: {struct.unpack('>I', struct.pack('>f', scale))[0]:08x}")
     return ".calib.cache", ("\n".join(lines) + "\n").encode()
@@ -50,6 +54,11 @@ SIDE_FILES: dict[str, Callable[[QuantPlan], tuple[str, bytes]]] = {
     "tensorrt_calibration_cache": tensorrt_calibration_cache,
     "dynamic_ranges_json": dynamic_ranges_json,
 }
+
+
+# side file -> the suffix appended to the output's stem, known before anything runs (output paths are checked first)
+SIDE_FILE_SUFFIX = {"tensorrt_calibration_cache": ".calib.cache", "dynamic_ranges_json": ".ranges.json"}
+assert set(SIDE_FILE_SUFFIX) == set(SIDE_FILES)
 
 
 def emit_side_files(names: list[str], plan: QuantPlan) -> dict[str, bytes]:

@@ -20,6 +20,19 @@ from .errors import OqError
 # protobuf cannot serialize a message over 2 GiB; stay clear of it with some headroom.
 PROTOBUF_LIMIT = 2**31 - 1
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+# temporaries carry the writer's pid, so a later run can tell a killed run's leftovers (oq.outputs) from live ones
+TEMP_PREFIX = ".oq-tmp-"
+
+
+def make_temp_dir(folder: Path) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{os.getpid()}-", dir=folder))
+
+
+def match_file_mode(path: Path) -> None:
+    """The mode a plain open() would have given (temporaries and onnx's external-data writer use 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
@@ -57,7 +70,7 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
         raise OqError(f"{path}: output folder {folder} does not exist")
     if external_data is None:
         external_data = model_size(model) > EXTERNAL_DATA_THRESHOLD
-    tmpdir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=folder))
+    tmpdir = make_temp_dir(folder)
     try:
         tmp_model = tmpdir / path.name
         if external_data:
@@ -66,9 +79,11 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
             onnx.save_model(model, str(tmp_model), save_as_external_data=True, all_tensors_to_one_file=True,
                             location=data_name, size_threshold=1024)
             if (tmpdir / data_name).exists():
+                match_file_mode(tmpdir / data_name)
                 os.replace(tmpdir / data_name, folder / data_name)
         else:
             onnx.save_model(model, str(tmp_model))
+        match_file_mode(tmp_model)
         os.replace(tmp_model, path)
     finally:
         for leftover in tmpdir.iterdir():
@@ -79,9 +94,12 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
 
 def write_atomic(path: Path, content: bytes) -> None:
     """Write bytes whole or not at all (temp file in the same folder, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(content)
-    os.replace(tmp, path)
+    tmp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
+    try:
+        tmp.write_bytes(content)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -41,6 +41,8 @@ class Context:
     model: onnx.ModelProto | None = None
     # side files emitted by the target, keyed by the suffix appended to the output's stem (".calib.cache")
     side_files: dict[str, bytes] = field(default_factory=dict)
+    # why the input model already failed onnx.checker (None: it passed), so that a failing output is blamed on it
+    input_checker_problem: str | None = None
 
     def node_count(self) -> int:
         return len(self.model.graph.node) if self.model is not None else len(self.graph.nodes)

@@ -33,6 +33,10 @@ class Report:
     warnings: list[str] = field(default_factory=list)
     calibration: dict = field(default_factory=dict)
     side_files: list[str] = field(default_factory=list)
+    # the run record (oq.record): version, target and its spec hash, options, calibration hash, passes
+    run: dict = field(default_factory=dict)
+    # every option of the run, including those that do not change the result
+    options: dict = field(default_factory=dict)
 
     def node_status(self, name: str) -> NodeRecord | None:
         return next((n for n in self.nodes if n.name == name), None)

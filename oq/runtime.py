@@ -5,6 +5,7 @@ the >2 GB path (the model goes through a temporary file with external data) are 
 """
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -49,3 +50,27 @@ def optimized(model: onnx.ModelProto, level: str = "extended") -> onnx.ModelProt
         out = Path(tmp) / "optimized.onnx"
         session(model, level, optimized_path=out)
         return onnx.load(str(out))
+
+
+@functools.lru_cache(maxsize=None)
+def max_qdq_opset() -> int:
+    """The newest ai.onnx opset at which the installed onnxruntime runs QuantizeLinear/DequantizeLinear (found by
+    trying, newest first: onnx may know opsets the runtime has no kernels for yet)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    for opset in range(onnx.defs.onnx_opset_version(), 13, -1):
+        nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+                 helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+        graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+                                  [helper.make_tensor("s", TensorProto.FLOAT, [], [1.0]),
+                                   helper.make_tensor("z", TensorProto.INT8, [], [0])])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+        model.ir_version = min(model.ir_version, onnx.IR_VERSION)
+        try:
+            session(model, "disable").run(None, {"x": np.ones(1, np.float32)})
+            return opset
+        except Exception:  # noqa: BLE001 - no kernel at this opset: try the previous one
+            continue
+    return 13

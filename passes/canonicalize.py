@@ -18,8 +18,11 @@ class Canonicalize(Pass):
     name = "canonicalize"
     ensures = (unique_node_names,)
 
-    def __init__(self, min_opset: int = MIN_OPSET):
+    def __init__(self, min_opset: int = MIN_OPSET, max_opset: int | None = None):
+        """max_opset: the newest opset the runtime that checks and runs the output has Q/DQ kernels for; a newer
+        model is converted down to it (or refused when onnx's converter cannot)."""
         self.min_opset = min_opset
+        self.max_opset = max_opset
 
     def run(self, ctx: Context) -> PassResult:
         notes = []
@@ -32,6 +35,8 @@ class Canonicalize(Pass):
 
     def _upgrade_opset(self, ctx: Context, notes: list[str]) -> bool:
         opset = ctx.graph.opset
+        if self.max_opset is not None and opset > self.max_opset:
+            return self._downgrade_opset(ctx, notes, opset)
         if opset >= self.min_opset:
             return False
         model = ir.to_model(ctx.graph)
@@ -43,6 +48,19 @@ class Canonicalize(Pass):
                           f"converter could not upgrade it ({str(exc).splitlines()[0][:200]})") from None
         ctx.graph = ir.to_graph(upgraded)
         notes.append(f"upgraded opset {opset} -> {self.min_opset}")
+        return True
+
+    def _downgrade_opset(self, ctx: Context, notes: list[str], opset: int) -> bool:
+        try:
+            converted = version_converter.convert_version(ir.to_model(ctx.graph), self.max_opset)
+            onnx.checker.check_model(converted)
+        except Exception as exc:
+            raise OqError(f"model uses opset {opset}, newer than the newest with quantization kernels in the "
+                          f"installed onnxruntime ({self.max_opset}), and onnx's version converter could not convert "
+                          f"it down ({str(exc).splitlines()[0][:160]}); export the model at opset {self.max_opset} "
+                          f"or lower") from None
+        ctx.graph = ir.to_graph(converted)
+        notes.append(f"converted opset {opset} -> {self.max_opset} (the newest the installed onnxruntime runs Q/DQ at)")
         return True
 
     @staticmethod

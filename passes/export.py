@@ -9,6 +9,7 @@ from __future__ import annotations
 import onnx
 
 from oq import fakequant, ir
+from oq.errors import OqError
 from oq.emit import emit_side_files
 from oq.passmanager import Context, Pass, PassResult, has_model, has_plan, has_target
 from oq.qoperator import to_qoperator
@@ -23,6 +24,9 @@ def checker_passes(ctx: Context) -> str | None:
     try:
         onnx.checker.check_model(ctx.model, full_check=True)
     except Exception as exc:
+        if ctx.input_checker_problem:  # the input's own defect, not a bug of a pass
+            raise OqError(f"the input model fails onnx.checker ({ctx.input_checker_problem}), and so does the "
+                          f"quantized one; fix the input model") from None
         return f"the exported model fails onnx.checker: {str(exc).splitlines()[0]}"
     return None
 
@@ -73,19 +77,21 @@ class ToQOperator(Pass):
 
 
 class StampModel(Pass):
-    """Name oq as the producer and record the target."""
+    """Name oq as the producer and write the run record (oq.record) into the model's metadata and the report."""
 
     name = "stamp-model"
     requires = (has_model, has_target)
 
-    def __init__(self, version: str):
+    def __init__(self, version: str, record: dict[str, str] | None = None):
         self.version = version
+        self.record = dict(record or {"oq.target": ""})
 
     def run(self, ctx: Context) -> PassResult:
         model = ctx.model
         model.producer_name, model.producer_version = "oq", self.version
-        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props},
-                                            "oq.target": ctx.target.name})
+        record = {**self.record, "oq.target": ctx.target.name}
+        onnx.helper.set_model_props(model, {**{p.key: p.value for p in model.metadata_props}, **record})
+        ctx.report.run = record
         return PassResult(True)
 
 

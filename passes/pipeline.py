@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from oq.config import RunConfig
 from oq.passmanager import FixedPoint, Pass
+from oq.record import run_record
+from oq.runtime import max_qdq_opset
 from oq.target import Target
 
 from .annotate import Annotate
@@ -26,13 +28,15 @@ from .sink_activation import SinkActivationBelowMaxPool
 
 
 def preparation(min_opset: int = 13) -> list[Pass]:
-    """Graph clean-up every run starts with; the target only sets the minimum opset."""
-    return [Canonicalize(min_opset), InferShapes(),
+    """Graph clean-up every run starts with; the target only sets the minimum opset, the installed onnxruntime
+    the maximum."""
+    return [Canonicalize(min_opset, max_qdq_opset()), InferShapes(),
             FixedPoint("fold", [FoldConstants(), FoldBatchNorm(), RemoveDeadNodes()]),
             InferShapes()]
 
 
-def quantization(config: RunConfig, target: Target, data, *, min_opset: int, version: str) -> list[Pass]:
+def quantization(config: RunConfig, target: Target, data, *, min_opset: int, version: str,
+                 calib_files=()) -> list[Pass]:
     """Preparation, then quantization for `target` on calibration `data`, then export."""
     equalize = target.cross_layer_equalization if config.equalize is None else config.equalize
     passes: list[Pass] = preparation(min_opset)
@@ -43,7 +47,11 @@ def quantization(config: RunConfig, target: Target, data, *, min_opset: int, ver
                          config.observer_args),
                GuardSaturation(data, config.cpu, config.batch_size),
                InsertQDQ(), SinkActivationBelowMaxPool(), Finalize(),
-               ExportGraph(), PackInt4(), StampModel(version), AttachFunctions()]
+               ExportGraph(), PackInt4()]
+    stamp = StampModel(version)
+    passes += [stamp, AttachFunctions()]
     if config.export_format == "qoperator":
         passes.append(ToQOperator())
-    return passes + [EmitSideFiles()]
+    passes.append(EmitSideFiles())
+    stamp.record = run_record(config, target, list(calib_files), [p.name for p in passes], version)
+    return passes

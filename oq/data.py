@@ -1,6 +1,7 @@
 """Calibration data sources, validated against the model's inputs before any run."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -10,6 +11,7 @@ import onnx
 from onnx import helper
 
 from .errors import OqError
+from .preprocess import IMAGE_SUFFIXES, load_image, no_preprocess, parse_preprocess
 
 
 @dataclass(frozen=True)
@@ -70,11 +72,59 @@ def _check_finite(where: str, feed: dict[str, np.ndarray], first_index: int) -> 
             raise OqError(f"{where}: input '{name}' has NaN or inf in sample {first_index + int(bad)}")
 
 
+def _first_line(exc: BaseException, width: int = 160) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:width]}" if text else type(exc).__name__
+
+
+def _open_npz(path: Path):
+    """np.load of an .npz archive, never unpickling: a file that is not one is the user's error, on one line."""
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except Exception as exc:
+        if isinstance(exc, ValueError) and "allow_pickle" in str(exc):  # numpy's reading of "not zip, not .npy"
+            with open(path, "rb") as f:
+                head = f.read(2)
+            if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):  # a pickle's opening
+                raise OqError(f"{path}: holds pickled Python data; oq reads .npz without pickle (it would run code "
+                              f"from the file): save plain arrays with np.savez") from None
+            raise OqError(f"{path}: not a readable .npz file (neither a zip archive nor an .npy array)") from None
+        raise OqError(f"{path}: not a readable .npz file ({_first_line(exc)})") from None
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise OqError(f"{path}: is a single .npy array, not an .npz archive of arrays named after the model's inputs "
+                      f"(save with np.savez(path, input_name=array, ...))")
+    return npz
+
+
+def _npz_member(path: Path, npz, key: str) -> np.ndarray:
+    """One array of an open .npz. Members are read lazily, so a damaged archive (bad CRC, truncated or rewritten
+    bytes, an unknown .npy format version) or an object array fails here, named with its member."""
+    try:
+        return npz[key]
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):
+            raise OqError(f"{path}: member '{key}' holds a Python object array; oq reads .npz without pickle (it "
+                          f"would run code from the file): save numeric arrays") from None
+        raise OqError(f"{path}: member '{key}' is not a readable array ({_first_line(exc)})") from None
+    except Exception as exc:
+        raise OqError(f"{path}: member '{key}' is corrupt ({_first_line(exc)})") from None
+
+
 class CalibrationData:
-    """An iterable of feeds; `batches(n)` groups consecutive samples when the model's batch axis allows it."""
+    """An iterable of feeds; `batches(n)` groups consecutive samples when the model's batch axis allows it.
+
+    `notes` collects what the report should say about the data once it has been read (the calibration pass adds
+    them to the report's warnings). `zero_inputs` names the inputs that were 0 in every sample of the last complete
+    pass over the data (None before one)."""
 
     def __init__(self, where: str, specs: list[InputSpec], limit: int | None = None):
         self.where, self.specs, self.limit = where, specs, limit
+        self.notes: list[str] = []
+        self.zero_inputs: set[str] | None = None
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -88,11 +138,15 @@ class CalibrationData:
         can_batch = batch_size > 1 and all(s.dynamic_batch for s in self.specs)
         pending: list[dict[str, np.ndarray]] = []
         index = 0
+        zero: set[str] | None = None
 
         def flush():
+            nonlocal zero
             feed = {k: np.concatenate([p[k] for p in pending]) if len(pending) > 1 else pending[0][k]
                     for k in pending[0]}
             _check_finite(self.where, feed, index - len(pending))
+            zero = {k for k, v in feed.items()
+                    if (zero is None or k in zero) and v.dtype.kind in "biufc" and not v.any()}
             return len(pending), feed
 
         for sample in self.samples():
@@ -104,6 +158,7 @@ class CalibrationData:
             index += 1
         if pending:
             yield flush()
+        self.zero_inputs = zero
 
 
 class NpzStack(CalibrationData):
@@ -113,17 +168,14 @@ class NpzStack(CalibrationData):
 
     def __init__(self, path: Path, specs: list[InputSpec], limit: int | None = None):
         super().__init__(str(path), specs, limit)
-        try:
-            npz = np.load(path, allow_pickle=False)
-            keys = list(npz.files)
-        except Exception as exc:
-            raise OqError(f"{path}: not a readable .npz file ({type(exc).__name__})") from None
-        _check_names(str(path), specs, keys)
+        with _open_npz(path) as npz:
+            _check_names(str(path), specs, npz.files)
+            arrays = {spec.name: _npz_member(path, npz, spec.name) for spec in specs}
         counts = set()
         self.arrays: dict[str, np.ndarray] = {}
         self.whole_feeds: set[str] = set()
         for spec in specs:
-            arr = npz[spec.name]
+            arr = arrays[spec.name]
             if arr.ndim == len(spec.shape) + 1:
                 _check_array(str(path), spec, arr[0] if len(arr) else arr[:0].reshape(arr.shape[1:]))
                 self.whole_feeds.add(spec.name)
@@ -159,12 +211,9 @@ class NpzFolder(CalibrationData):
 
     def samples(self):
         for f in self.files[:len(self)]:
-            try:
-                with np.load(f, allow_pickle=False) as npz:
-                    feed = {k: npz[k] for k in npz.files}
-            except Exception as exc:
-                raise OqError(f"{f}: not a readable .npz file ({type(exc).__name__})") from None
-            _check_names(str(f), self.specs, feed)
+            with _open_npz(f) as npz:
+                _check_names(str(f), self.specs, npz.files)
+                feed = {spec.name: _npz_member(f, npz, spec.name) for spec in self.specs}
             for spec in self.specs:
                 _check_array(str(f), spec, feed[spec.name])
             yield feed
@@ -174,8 +223,6 @@ class ImageFolder(CalibrationData):
     """A folder of images for a model with one image input, preprocessed as `--preprocess` says."""
 
     def __init__(self, path: Path, specs: list[InputSpec], preprocess: str | None, limit: int | None = None):
-        from .preprocess import IMAGE_SUFFIXES, parse_preprocess
-
         super().__init__(str(path), specs, limit)
         if len(specs) != 1 or len(specs[0].shape) != 4:
             raise OqError(f"{path}: a folder of images can only feed a model with one 4-D image input; this model "
@@ -192,8 +239,6 @@ class ImageFolder(CalibrationData):
         return min(len(self.files), self.limit) if self.limit else len(self.files)
 
     def samples(self):
-        from .preprocess import load_image
-
         spec = self.specs[0]
         for f in self.files[:len(self)]:
             arr = load_image(f, self.pp, self.model_hw).astype(spec.dtype)
@@ -201,8 +246,26 @@ class ImageFolder(CalibrationData):
             yield {spec.name: arr}
 
 
+# A `module:function` source may be endless (a generator cycling over a loader); without --calib-size it is read up
+# to this many samples. Ranges settle after a few hundred samples (TensorRT's guide: about 500 images for ImageNet
+# classifiers; OpenVINO's NNCF reads 300 by default), so 1024 leaves margin for rare activations and bounds the run.
+CALLABLE_DEFAULT_CAP = 1024
+
+
+def _raised(where: str, exc: BaseException, index: int | None) -> OqError:
+    at = "" if index is None else f" at sample {index}"
+    if isinstance(exc, SystemExit):
+        return OqError(f"calibration source {where} raised SystemExit({exc.code}){at}; a calibration function must "
+                       f"return or yield feeds, not exit")
+    return OqError(f"calibration source {where} raised {type(exc).__name__}{at}: {str(exc).strip()[:200]}")
+
+
 class CallableSource(CalibrationData):
-    """`module:function` returning an iterable of feed dicts (each value with the batch axis)."""
+    """`module:function` returning an iterable of feed dicts (each value with the batch axis).
+
+    The iterable may be endless: without a limit, at most CALLABLE_DEFAULT_CAP samples are read, and the report
+    says so when the source had more. Anything the user's code raises (SystemExit included) is the user's error on
+    one line; only KeyboardInterrupt passes through, so Ctrl-C still stops oq."""
 
     def __init__(self, func, where: str, specs: list[InputSpec], limit: int | None = None):
         super().__init__(where, specs, limit)
@@ -224,17 +287,33 @@ class CallableSource(CalibrationData):
         try:
             feeds = self.func()
             iterator = iter(feeds)
-        except Exception as exc:
-            raise OqError(f"calibration source {self.where} raised {type(exc).__name__}: {str(exc)[:200]}") from None
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            raise _raised(self.where, exc, None) from None
+        try:
+            yield from self._read(iterator)
+        finally:
+            with contextlib.suppress(Exception):  # a generator's own clean-up (files, loader workers) runs now
+                getattr(iterator, "close", lambda: None)()
+
+    def _read(self, iterator):
+        cap = self.limit if self.limit is not None else CALLABLE_DEFAULT_CAP
         index = 0
         while self.limit is None or index < self.limit:
             try:
                 feed = next(iterator)
             except StopIteration:
                 break
-            except Exception as exc:
-                raise OqError(f"calibration source {self.where} raised {type(exc).__name__} at sample {index}: "
-                              f"{str(exc)[:200]}") from None
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:
+                raise _raised(self.where, exc, index) from None
+            if index == cap:  # one sample past the default cap: the source has more than it reads
+                self.note(f"calibration source {self.where} yields more than {cap} samples: calibrated on the first "
+                          f"{cap}, oq's cap for a function source without --calib-size (calib_size); set it to read "
+                          f"more or fewer")
+                break
             if not isinstance(feed, dict):
                 raise OqError(f"calibration source {self.where}: sample {index} is a {type(feed).__name__}, "
                               f"expected a dict of input name -> array")
@@ -280,26 +359,36 @@ class RandomSource(CalibrationData):
 
 def open_calibration(calib, specs: list[InputSpec], limit: int | None = None,
                      preprocess: str | None = None) -> CalibrationData:
-    """An .npz of stacked samples, a folder of .npz feeds or images, `module:function`, or "random"."""
+    """An .npz of stacked samples, a folder of .npz feeds or images, `module:function`, or "random".
+
+    `preprocess` (--preprocess) is for a folder of images only; with any other source it is an error."""
     if isinstance(calib, CalibrationData):
+        if not isinstance(calib, ImageFolder):
+            no_preprocess(preprocess, f"a {type(calib).__name__} object")
         return calib
     if limit is not None and limit < 1:
         raise OqError(f"--calib-size must be >= 1, got {limit}")
     if callable(calib):
-        return CallableSource(calib, getattr(calib, "__name__", "callable"), specs, limit)
+        name = getattr(calib, "__name__", "callable")
+        no_preprocess(preprocess, f"the function {name}")
+        return CallableSource(calib, name, specs, limit)
     text = str(calib)
     if text == "random":
+        no_preprocess(preprocess, "random noise")
         return RandomSource(specs, limit)
     path = Path(text)
     if not path.exists() and ":" in text and not text.endswith(".npz"):
+        no_preprocess(preprocess, f"the function source {text}")
         return CallableSource.from_ref(text, specs, limit)
     if not path.exists():
         raise OqError(f"{path}: calibration data not found")
     if path.is_dir():
         if any(p.suffix == ".npz" for p in path.iterdir()):
+            no_preprocess(preprocess, f"{path}, a folder of .npz feeds")
             return NpzFolder(path, specs, limit)
         return ImageFolder(path, specs, preprocess, limit)
     if path.suffix != ".npz":
         raise OqError(f"{path}: calibration data must be an .npz file, a folder of .npz files or images, "
                       f"'module:function', or 'random'")
+    no_preprocess(preprocess, f"{path}, an .npz file")
     return NpzStack(path, specs, limit)

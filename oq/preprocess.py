@@ -83,6 +83,13 @@ def parse_preprocess(spec: str | None) -> Preprocess:
     return Preprocess(**fields)
 
 
+def no_preprocess(preprocess: str | None, source: str) -> None:
+    """--preprocess given with calibration data other than a folder of images: an error, never silently ignored."""
+    if preprocess is not None:
+        raise OqError(f"--preprocess: applies to image folders only; the calibration data is {source}, whose arrays "
+                      f"are fed as they are: drop --preprocess or prepare the arrays yourself")
+
+
 def load_image(path: Path, pp: Preprocess, size_from_model: tuple[int, int] | None) -> np.ndarray:
     """One image as a float32 array [1, C, H, W] or [1, H, W, C]."""
     try:

@@ -1,5 +1,9 @@
 """torch -> ONNX export of the reference models, with an on-disk cache.
 
+The cache is per user (:func:`default_cache_dir`), so a fresh clone reuses the
+models another checkout already exported; the file name carries
+:func:`cache_key`, a hash of everything that determines the exported bytes.
+
 Exporter choice (torch 2.13): the TorchScript exporter (``dynamo=False``) with
 ``training=TrainingMode.PRESERVE`` on an eval-mode model.
 
@@ -28,15 +32,20 @@ from pathlib import Path
 from .specs import OPSET, get_spec
 
 _PKG_DIR = Path(__file__).resolve().parent
-REPO_ROOT = _PKG_DIR.parent
-# Every file whose content determines the exported model.
-_SOURCE_FILES = ("specs.py", "zoo.py", "data.py", "_export.py")
+# Every source file whose content determines the exported model (the weight
+# fixture models/weights/NAME.npz is hashed too, see cache_key).
+_SOURCE_FILES = ("specs.py", "zoo.py", "data.py", "_weights.py", "_export.py")
 CACHE_ENV = "OQ_MODEL_CACHE"
 
 
 def default_cache_dir() -> Path:
+    """``$OQ_MODEL_CACHE``, else ``$XDG_CACHE_HOME/oq/models``, else ``~/.cache/oq/models``."""
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else REPO_ROOT / ".cache" / "models"
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "oq" / "models"
 
 
 def _torch_version() -> str:
@@ -49,13 +58,17 @@ def _torch_version() -> str:
 
 
 def cache_key(name: str) -> str:
-    """Hash of the model name, its definition sources, torch version and opset."""
+    """Hash of the model name, its sources, its weight fixture's bytes, the torch version and the opset."""
+    from ._weights import weights_path
+
     get_spec(name)
     h = hashlib.sha256()
     h.update(f"{name}\0torch={_torch_version()}\0opset={OPSET}\0".encode())
     for fname in _SOURCE_FILES:
         h.update(fname.encode() + b"\0")
         h.update((_PKG_DIR / fname).read_bytes())
+    fixture = weights_path(name)
+    h.update(b"weights\0" + (fixture.read_bytes() if fixture.is_file() else b"none"))
     return h.hexdigest()[:16]
 
 
@@ -163,8 +176,10 @@ def export_model(name: str):
 def build(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Return the path of the ONNX file for ``name``, exporting it on a cache miss.
 
-    The file name carries :func:`cache_key`, so any change to the model sources
-    or the torch version produces a new file.  Writes go to a temp file in the
+    The cache directory defaults to :func:`default_cache_dir`, shared by every
+    checkout of this user.  The file name carries :func:`cache_key`, so any
+    change to the model sources, the weight fixture or the torch version
+    produces a new file.  Writes go to a temp file in the
     same directory followed by ``os.replace``, so concurrent builders never
     expose a partial file (the last writer wins with identical content).
     """

@@ -1,9 +1,11 @@
 """Torch definitions of the reference models, and how they are trained.
 
-Everything that determines the exported graph or its weights lives in this
-file, ``specs.py`` and ``data.py`` (whose synthetic inputs and tasks the models
-are trained on); all of them are hashed into the ONNX cache key, so editing
-any one rebuilds the cached models.
+Everything that determines the trained weights lives in this file,
+``specs.py`` and ``data.py`` (whose synthetic inputs and tasks the models are
+trained on).  The weights are trained once and committed as fixtures
+(``models/weights/NAME.npz``, written by ``python -m models freeze NAME``),
+recording a hash of these three files: editing any of them makes the fixtures
+stale, and ``tests/test_models.py`` says which to freeze again.
 
 The models are briefly *trained*, because random networks are a poor stand-in
 for the pretrained models a quantizer meets: they amplify quantization noise
@@ -16,20 +18,27 @@ regression from the latent, a windowed-attention sequence target) and a
 thousand steps, in train mode so BatchNorm learns its running statistics.
 Training is single-threaded with deterministic algorithms under one
 ``torch.manual_seed`` per model, so the weights are bit-reproducible for a given
-machine and torch build; it runs once per process (memoised) and takes about
-30 s for all five models on a 2-core CI machine.
+machine and torch build -- but not across CPU types (AVX2 and AVX-512 kernels
+round differently), hence the fixtures.  :func:`load_torch` reads the fixture;
+only when it is missing or stale does it train here (about 45 s for all six
+models on a 2-core machine), with a :class:`HostDependentWeightsWarning`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
+from . import _weights
+from ._weights import HostDependentWeightsWarning
 from .specs import SPECS, get_spec
 
 # --------------------------------------------------------------------------
@@ -344,7 +353,7 @@ def _loss(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, target)
 
 
-def _train(model: nn.Module, name: str) -> dict[str, float]:
+def _train(model: nn.Module, name: str, recipe: Recipe) -> dict[str, float]:
     """Train ``model`` in place on its synthetic task; returns a small log.
 
     Adam (AdamW, decoupled weight decay) with a one-cycle schedule, in train
@@ -352,7 +361,6 @@ def _train(model: nn.Module, name: str) -> dict[str, float]:
     Single-threaded with deterministic algorithms, so the weights are
     bit-reproducible for a given machine and torch build.
     """
-    recipe = RECIPES[name]
     x, y = _training_set(name)
     decay = [p for p in model.parameters() if p.dim() > 1]
     no_decay = [p for p in model.parameters() if p.dim() <= 1]
@@ -422,41 +430,68 @@ FACTORIES: dict[str, Callable[[], nn.Module]] = {
 }
 assert set(FACTORIES) == set(SPECS)
 
-# name -> trained state dict (training runs once per process)
+# name -> trained state dict (read from the fixture or trained, once per process)
 _TRAINED: dict[str, dict[str, torch.Tensor]] = {}
-# name -> {"seconds", "steps", "final_loss"} of the training run in this process
+# name -> {"seconds", "steps", "final_loss"} of the training runs in this process
 TRAINING_LOG: dict[str, dict[str, float]] = {}
+
+
+def train(name: str, steps: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Train reference model ``name`` from scratch on this machine: ``(state dict, log)``.
+
+    Deterministic for a given machine and torch build.  ``steps`` shortens the
+    recipe (tests only; the fixtures are trained with the full recipe).
+    Leaves the caller's thread count, determinism flag and RNG as they were.
+    """
+    spec = get_spec(name)
+    recipe = RECIPES[name] if steps is None else dataclasses.replace(RECIPES[name], steps=steps)
+    threads = torch.get_num_threads()
+    det, det_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    start = time.perf_counter()
+    # fork_rng: leave the caller's RNG alone; grad mode on even if called under no_grad
+    with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
+        torch.manual_seed(spec.seed)
+        torch.set_num_threads(1)  # bit-reproducible training
+        torch.use_deterministic_algorithms(True)
+        try:
+            model = FACTORIES[name]()
+            _init_params(model)
+            log = _train(model, name, recipe)
+        finally:
+            torch.set_num_threads(threads)
+            torch.use_deterministic_algorithms(det, warn_only=det_warn)
+    log["seconds"] = time.perf_counter() - start
+    TRAINING_LOG[name] = log
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, log
+
+
+def freeze(name: str) -> tuple[Path, dict[str, float]]:
+    """Train ``name`` on this machine and write its fixture ``models/weights/NAME.npz``: ``(path, log)``."""
+    state, log = train(name)
+    path = _weights.write(name, {k: v.numpy() for k, v in state.items()})
+    _TRAINED[name] = state
+    return path, log
 
 
 def _trained_state(name: str) -> dict[str, torch.Tensor]:
     if name not in _TRAINED:
-        spec = get_spec(name)
-        threads = torch.get_num_threads()
-        det, det_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-        start = time.perf_counter()
-        # fork_rng: leave the caller's RNG alone; grad mode on even if called under no_grad
-        with torch.random.fork_rng(devices=[]), torch.inference_mode(False), torch.enable_grad():
-            torch.manual_seed(spec.seed)
-            torch.set_num_threads(1)  # bit-reproducible training
-            torch.use_deterministic_algorithms(True)
-            try:
-                model = FACTORIES[name]()
-                _init_params(model)
-                log = _train(model, name)
-            finally:
-                torch.set_num_threads(threads)
-                torch.use_deterministic_algorithms(det, warn_only=det_warn)
-        log["seconds"] = time.perf_counter() - start
-        TRAINING_LOG[name] = log
-        _TRAINED[name] = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+        frozen = _weights.load(name)
+        if frozen is not None:
+            _TRAINED[name] = {k: torch.from_numpy(v) for k, v in frozen.items()}
+        else:
+            warnings.warn(_weights.fallback_message(name), HostDependentWeightsWarning, stacklevel=3)
+            _TRAINED[name] = train(name)[0]
     return _TRAINED[name]
 
 
 def load_torch(name: str) -> nn.Module:
-    """Reference model ``name``, trained on its synthetic task (deterministic), in eval mode.
+    """Reference model ``name``, trained on its synthetic task, in eval mode.
 
-    Training runs on the first call in a process (a few seconds) and is
-    memoised; every call returns a fresh module with the same weights.
+    The weights come from the committed fixture ``models/weights/NAME.npz``
+    (the same on every machine).  When it is missing or stale (the model
+    sources changed since it was frozen), the model is trained here instead,
+    with a :class:`HostDependentWeightsWarning`.  Either happens once per
+    process (memoised); every call returns a fresh module with the same weights.
     """
     state = _trained_state(name)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG alone

@@ -8,7 +8,10 @@ import models
 
 @pytest.fixture(scope="session")
 def model_paths():
-    """Reference models built once per session into the shared cache."""
+    """Reference models, looked up once per session in the per-user cache (exported from the weight fixtures on a miss).
+
+    ``OQ_MODEL_CACHE=DIR`` points the cache elsewhere (see ``models.default_cache_dir``).
+    """
     return {name: models.build(name) for name in models.REFERENCE_MODELS}
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -239,23 +239,118 @@ def test_load_torch_deterministic(torch_models):
     assert not torch.equal(load_torch("resnet_mini").fc.weight, fresh.fc.weight)
 
 
-def test_training_reproducible_and_leaves_torch_state_alone(torch_models):
-    """Retraining (in this process) gives bit-identical weights and restores threads, RNG, determinism."""
+def test_training_reproducible_and_leaves_torch_state_alone():
+    """Training twice in this process gives bit-identical weights and restores threads, RNG, determinism.
+
+    (A shortened recipe keeps it fast; the fixtures hold the full recipe's result.)
+    """
     from models import zoo
 
-    before = torch_models["mlp"].state_dict()
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     rng = torch.get_rng_state()
-    saved = zoo._TRAINED.pop("mlp")
-    try:
-        with torch.no_grad():  # training must still work under no_grad
-            again = load_torch("mlp").state_dict()
-    finally:
-        zoo._TRAINED["mlp"] = saved
-    assert all(torch.equal(before[k], again[k]) for k in before)
+    first, log = zoo.train("mlp", steps=150)
+    with torch.no_grad():  # training must still work under no_grad
+        again, _ = zoo.train("mlp", steps=150)
+    assert log["steps"] == 150
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     assert torch.get_num_threads() == threads
     assert torch.are_deterministic_algorithms_enabled() == det
     assert torch.equal(torch.get_rng_state(), rng)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(get_spec("mlp").seed)
+        untrained = zoo.FACTORIES["mlp"]().state_dict()
+    assert not torch.equal(first["fc1.weight"], untrained["fc1.weight"])
+
+
+# ------------------------------------------------------- weight fixtures
+
+
+@pytest.mark.parametrize("name", models.SPECS)
+def test_weight_fixture_is_current(name):
+    """Every model's committed weights were frozen from the current zoo.py, data.py and specs.py."""
+    from models import _weights
+
+    status = _weights.status(name)
+    assert status == "ok", (
+        f"models/weights/{name}.npz is {status}: the model sources changed since it was frozen, so every machine "
+        f"now trains {name} itself (host-dependent weights). Run `python -m models freeze {name}` and commit "
+        f"models/weights/{name}.npz."
+    )
+
+
+@pytest.mark.parametrize("name", models.SPECS)
+def test_load_torch_gives_the_fixture_weights(name, monkeypatch):
+    import warnings
+
+    from models import _weights, zoo
+
+    monkeypatch.setattr(zoo, "_TRAINED", {})  # load from the file, not from this process' memo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", models.HostDependentWeightsWarning)
+        state = load_torch(name).state_dict()
+    with np.load(_weights.weights_path(name), allow_pickle=False) as npz:
+        stored = {k: npz[k] for k in npz.files}
+    assert str(stored.pop(_weights.HASH_KEY)) == _weights.training_hash(name)
+    assert set(state) == set(stored)
+    for key, tensor in state.items():
+        got = tensor.numpy()
+        assert got.dtype == stored[key].dtype and got.shape == stored[key].shape, key
+        assert got.tobytes() == stored[key].tobytes(), key
+
+
+def test_weight_fixture_files_are_deterministic(tmp_path):
+    """Writing the same weights again reproduces the committed file byte for byte (re-freezing makes no diff)."""
+    from models import _weights
+
+    arrays, _ = _weights.read("mlp")
+    again = _weights.write("mlp", arrays, tmp_path)
+    assert again.read_bytes() == _weights.weights_path("mlp").read_bytes()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def _short_mlp_recipe(monkeypatch):
+    import dataclasses
+
+    from models import zoo
+
+    monkeypatch.setitem(zoo.RECIPES, "mlp", dataclasses.replace(zoo.RECIPES["mlp"], steps=20))
+    monkeypatch.setattr(zoo, "_TRAINED", {})
+    monkeypatch.setattr(zoo, "TRAINING_LOG", {})
+
+
+@pytest.mark.parametrize("why", ["missing", "stale"])
+def test_missing_or_stale_fixture_trains_here_with_a_warning(why, tmp_path, monkeypatch):
+    import shutil
+
+    from models import _weights
+
+    committed = _weights.weights_path("mlp")
+    _short_mlp_recipe(monkeypatch)
+    monkeypatch.setattr(_weights, "WEIGHTS_DIR", tmp_path)
+    if why == "stale":  # frozen from other sources than the current ones
+        shutil.copyfile(committed, tmp_path / "mlp.npz")
+        monkeypatch.setattr(_weights, "training_hash", lambda name: "0" * 16)
+    assert _weights.status("mlp") == why and _weights.load("mlp") is None
+    with pytest.warns(models.HostDependentWeightsWarning, match=r"mlp\.npz is " + why) as record:
+        model = load_torch("mlp")
+    assert "python -m models freeze mlp" in str(record[0].message)
+    assert not model.training
+    with np.load(committed) as npz:  # 20 steps, not the frozen weights
+        assert not np.array_equal(model.fc1.weight.detach().numpy(), npz["fc1.weight"])
+
+
+def test_freeze_cli_writes_a_current_fixture(tmp_path, monkeypatch, capsys):
+    from models import _weights
+    from models.__main__ import main
+
+    _short_mlp_recipe(monkeypatch)
+    monkeypatch.setattr(_weights, "WEIGHTS_DIR", tmp_path)
+    assert main(["freeze", "mlp"]) == 0
+    assert str(tmp_path / "mlp.npz") in capsys.readouterr().out
+    assert _weights.status("mlp") == "ok"
+    state = load_torch("mlp").state_dict()  # the memo holds what was frozen
+    frozen = _weights.load("mlp")
+    assert all(state[k].numpy().tobytes() == frozen[k].tobytes() for k in state)
 
 
 # held-out score floor per model: accuracy (chance 0.1, majority class ~0.3 for the
@@ -341,18 +436,38 @@ def test_cache_dir_respected(built, tmp_path, monkeypatch):
     assert models.default_cache_dir() == tmp_path / "env"
     from_env = build("mlp")
     assert from_env.parent == tmp_path / "env" and from_env.is_file()
+    # per user, outside the checkout, so fresh clones reuse the exported models
     monkeypatch.delenv("OQ_MODEL_CACHE")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(models.__file__)))
-    assert str(models.default_cache_dir()) == os.path.join(root, ".cache", "models")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert models.default_cache_dir() == tmp_path / "xdg" / "oq" / "models"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # ignored, as the XDG spec asks
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert models.default_cache_dir() == tmp_path / "home" / ".cache" / "oq" / "models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert models.default_cache_dir() == tmp_path / "home" / ".cache" / "oq" / "models"
 
 
-def test_cache_key_tracks_torch_version_and_model(monkeypatch):
-    from models import _export
+def test_cache_key_tracks_torch_version_model_and_weights(tmp_path, monkeypatch):
+    import shutil
+
+    from models import _export, _weights
 
     key = _export.cache_key("mlp")
     assert key != _export.cache_key("decoder")
     monkeypatch.setattr(_export, "_torch_version", lambda: "0.0.0")
     assert _export.cache_key("mlp") != key
+    monkeypatch.undo()
+    assert _export.cache_key("mlp") == key
+    # the fixture's bytes are part of the key: re-frozen weights export anew
+    arrays, _ = _weights.read("mlp")
+    monkeypatch.setattr(_weights, "WEIGHTS_DIR", tmp_path)
+    shutil.copyfile(Path(models.__file__).parent / "weights" / "mlp.npz", tmp_path / "mlp.npz")
+    assert _export.cache_key("mlp") == key
+    arrays["fc3.bias"] = arrays["fc3.bias"] + np.float32(1e-3)
+    _weights.write("mlp", arrays, tmp_path)
+    assert _export.cache_key("mlp") != key
+    (tmp_path / "mlp.npz").unlink()
+    assert _export.cache_key("mlp") not in (key, _export.cache_key("decoder"))
 
 
 # ------------------------------------------------------------------ CLI

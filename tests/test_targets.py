@@ -13,14 +13,18 @@ from conftest import run_onnx
 from oq.errors import OqError
 from oq.target import builtin_names, load_target
 
+# SQNR floors of test_every_target_meets_its_constraints.  The reference models' weights are committed fixtures, so
+# every machine quantizes the same ONNX models: the measurements below are identical (to 0.001 dB) on AVX512-VNNI
+# (AMD EPYC) and on AVX2 (qemu -cpu Haswell).  Each listed floor sits 0.5-0.6 dB under its measurement, room for
+# onnxruntime's float kernels and small calibration changes, not for retrained models (re-freezing the weights means
+# measuring again).  Every pair not listed needs 25.0 dB: the lowest of them measured 25.8 dB on both (mlp/vitis;
+# then mlp/tensorrt 26.1, decoder/tensorrt 26.9), a 0.8 dB margin.
 # Power-of-two per-tensor weight scales cost Vitis accuracy on the decoder, whose grouped ConvTranspose channels
-# differ in scale (measured 23.6 dB); every other pair reaches 25 dB at 8 bits.
-# per-tensor power-of-two weights: 25.3 dB measured with cross-layer equalization (23.6 without); a little margin for
-# other CPUs' float rounding in training
-MIN_SQNR_DB = {("vitis", "decoder"): 24.5}
-# FP8 E4M3 keeps 3 mantissa bits: a relative error per value that int8 only reaches near its range limits
-# (measured 25.4-25.6 dB on the CNNs with the output layers in float; some margin for other CPUs' rounding)
-MIN_SQNR_DB.update({("tensorrt_fp8", "resnet_mini"): 24.5, ("tensorrt_fp8", "mobilenet_mini"): 24.5})
+# differ in scale: measured 25.3 dB with cross-layer equalization on AVX512-VNNI and on AVX2 (23.6 dB without).
+MIN_SQNR_DB = {("vitis", "decoder"): 24.8}
+# FP8 E4M3 keeps 3 mantissa bits: a relative error per value that int8 only reaches near its range limits (output
+# layers in float): measured 25.6 dB (resnet_mini) and 25.4 dB (mobilenet_mini) on AVX512-VNNI and on AVX2.
+MIN_SQNR_DB.update({("tensorrt_fp8", "resnet_mini"): 25.0, ("tensorrt_fp8", "mobilenet_mini"): 24.9})
 BUILTINS = ("tensorrt", "onnxruntime", "openvino", "qnn", "qnn_w8a16", "vitis", "academic", "tensorrt_fp8")
 
 

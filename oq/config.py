@@ -109,6 +109,13 @@ class RunConfig:
                                    f"from the CLI through --plugin MODULE)")
 
     @property
+    def parsed_overrides(self) -> list:
+        """The --override texts as oq.overrides.Override objects (what passes receive)."""
+        from .overrides import parse_override
+
+        return [o for text in self.overrides for o in parse_override(text)]
+
+    @property
     def observer_args(self) -> dict[str, Any]:
         """Options an observer may take; each observer gets those its signature names."""
         return {} if self.percentile is None else {"percentile": self.percentile}

@@ -18,11 +18,11 @@ from .preprocess import IMAGE_SUFFIXES, load_image, no_preprocess, parse_preproc
 class InputSpec:
     name: str
     dtype: np.dtype
-    shape: tuple  # ints for fixed dims, str/None for dynamic
+    shape: tuple | None  # ints for fixed dims, str/None for dynamic; None: rank unknown (no shape in the model)
 
     @property
     def dynamic_batch(self) -> bool:
-        return bool(self.shape) and not isinstance(self.shape[0], int)
+        return self.shape is None or (bool(self.shape) and not isinstance(self.shape[0], int))
 
 
 def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
@@ -32,7 +32,8 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        dims = tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+        dims = (tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
+                if tt.HasField("shape") else None)
         specs.append(InputSpec(vi.name, np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims))
     return specs
 
@@ -40,6 +41,8 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
 def _check_array(where: str, spec: InputSpec, arr: np.ndarray) -> None:
     if arr.dtype != spec.dtype:
         raise OqError(f"{where}: array for input '{spec.name}' has dtype {arr.dtype}, the model expects {spec.dtype}")
+    if spec.shape is None:
+        return
     if arr.ndim != len(spec.shape):
         raise OqError(f"{where}: array for input '{spec.name}' has rank {arr.ndim} (shape {list(arr.shape)}), "
                       f"the model expects rank {len(spec.shape)} ({_fmt_shape(spec.shape)})")
@@ -50,6 +53,8 @@ def _check_array(where: str, spec: InputSpec, arr: np.ndarray) -> None:
 
 
 def _fmt_shape(shape) -> str:
+    if shape is None:
+        return "[unknown rank]"
     return "[" + ", ".join(str(d) if d is not None else "?" for d in shape) + "]"
 
 
@@ -176,7 +181,7 @@ class NpzStack(CalibrationData):
         self.whole_feeds: set[str] = set()
         for spec in specs:
             arr = arrays[spec.name]
-            if arr.ndim == len(spec.shape) + 1:
+            if spec.shape is not None and arr.ndim == len(spec.shape) + 1:
                 _check_array(str(path), spec, arr[0] if len(arr) else arr[:0].reshape(arr.shape[1:]))
                 self.whole_feeds.add(spec.name)
             else:
@@ -224,7 +229,7 @@ class ImageFolder(CalibrationData):
 
     def __init__(self, path: Path, specs: list[InputSpec], preprocess: str | None, limit: int | None = None):
         super().__init__(str(path), specs, limit)
-        if len(specs) != 1 or len(specs[0].shape) != 4:
+        if len(specs) != 1 or specs[0].shape is None or len(specs[0].shape) != 4:
             raise OqError(f"{path}: a folder of images can only feed a model with one 4-D image input; this model "
                           f"takes {', '.join(f'{s.name} {_fmt_shape(s.shape)}' for s in specs)}")
         self.pp = parse_preprocess(preprocess)
@@ -334,7 +339,7 @@ class RandomSource(CalibrationData):
     def __init__(self, specs: list[InputSpec], limit: int | None = None, seed: int = 0):
         super().__init__("random", specs, limit)
         for s in specs:
-            if any(not isinstance(d, int) for d in s.shape[1:]):
+            if s.shape is None or any(not isinstance(d, int) for d in s.shape[1:]):
                 raise OqError(f"--calib random: input '{s.name}' has dynamic dims {_fmt_shape(s.shape)} beyond the "
                               f"batch axis; give real calibration data")
         self.seed = seed

@@ -5,7 +5,7 @@ import onnx_graphsurgeon as gs
 
 from oq import ir
 from oq.opinfo import op_names, weighted_op
-from oq.overrides import matches, parse_override
+from oq.overrides import matches
 from oq.target import DTYPE_MIN_OPSET
 from oq.passmanager import Context, Pass, PassResult, has_target, unique_node_names
 from oq.plan import ALL_CONSUMERS, ActivationQuant, BiasQuant, QuantPlan, WeightQuant
@@ -54,9 +54,9 @@ class Annotate(Pass):
     requires = (has_target, unique_node_names)
 
     def __init__(self, exclude=(), overrides=()):
-        """exclude: node names, op types or regexes kept in float; overrides: --override texts (oq.overrides)."""
+        """exclude: node names, op types or regexes kept in float; overrides: oq.overrides.Override objects."""
         self.exclude = list(exclude)
-        self.overrides = [o for text in overrides for o in parse_override(text)]
+        self.overrides = list(overrides)
 
     def run(self, ctx: Context) -> PassResult:
         target: Target = ctx.target

@@ -42,7 +42,7 @@ def quantization(config: RunConfig, target: Target, data, *, min_opset: int, ver
     passes: list[Pass] = preparation(min_opset)
     if equalize:
         passes.append(CrossLayerEqualization())
-    passes += [FusePatterns(), Annotate(config.exclude, config.overrides),
+    passes += [FusePatterns(), Annotate(config.exclude, config.parsed_overrides),
                Calibrate(data, config.batch_size, config.calib_method, config.progress, config.max_memory_mb,
                          config.observer_args),
                GuardSaturation(data, config.cpu, config.batch_size),

@@ -203,9 +203,12 @@ def test_onnxruntime_quantizes_residual_adds_only_between_quantized_ops(quantize
     enc = {n.name: n for n in quantized("transformer", "onnxruntime").report.nodes if n.op == "Add"}
     residual = [n for n in enc.values() if not n.quantized]
     assert len(residual) >= 2 and all("inputs arrive in float" in n.reason for n in residual)
-    _, held = calib_files["transformer"]
-    got = run_onnx(quantized("transformer", "onnxruntime").model, held, optimize=True)
-    assert sqnr_db(run_onnx(models.build("transformer"), held), got) >= 35.0  # vs 28.7 dB quantizing them
+    calib, held = calib_files["transformer"]
+    # fused int8 kernels: made for AVX2 (safe on every x86 CPU, VNNI or not), so the figure does not depend on the
+    # host; 41.8 dB measured on AVX512-VNNI and under qemu Haswell, vs 28.7 dB quantizing the residual Adds
+    model = oq.quantize(models.build("transformer"), "onnxruntime", calib, cpu="avx2", progress=False).model
+    got = run_onnx(model, held, optimize=True)
+    assert sqnr_db(run_onnx(models.build("transformer"), held), got) >= 35.0
 
 
 def test_output_says_who_made_it_for_which_target(quantized):

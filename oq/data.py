@@ -11,6 +11,7 @@ import onnx
 from onnx import helper
 
 from .errors import OqError
+from .npz import npz_member as _npz_member, open_npz as _open_npz
 from .preprocess import IMAGE_SUFFIXES, load_image, no_preprocess, parse_preprocess
 
 
@@ -75,44 +76,6 @@ def _check_finite(where: str, feed: dict[str, np.ndarray], first_index: int) -> 
         if arr.dtype.kind == "f" and not np.isfinite(arr).all():
             bad = np.nonzero(~np.isfinite(arr.reshape(arr.shape[0], -1)).all(axis=1))[0][0] if arr.ndim else 0
             raise OqError(f"{where}: input '{name}' has NaN or inf in sample {first_index + int(bad)}")
-
-
-def _first_line(exc: BaseException, width: int = 160) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:width]}" if text else type(exc).__name__
-
-
-def _open_npz(path: Path):
-    """np.load of an .npz archive, never unpickling: a file that is not one is the user's error, on one line."""
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except Exception as exc:
-        if isinstance(exc, ValueError) and "allow_pickle" in str(exc):  # numpy's reading of "not zip, not .npy"
-            with open(path, "rb") as f:
-                head = f.read(2)
-            if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):  # a pickle's opening
-                raise OqError(f"{path}: holds pickled Python data; oq reads .npz without pickle (it would run code "
-                              f"from the file): save plain arrays with np.savez") from None
-            raise OqError(f"{path}: not a readable .npz file (neither a zip archive nor an .npy array)") from None
-        raise OqError(f"{path}: not a readable .npz file ({_first_line(exc)})") from None
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise OqError(f"{path}: is a single .npy array, not an .npz archive of arrays named after the model's inputs "
-                      f"(save with np.savez(path, input_name=array, ...))")
-    return npz
-
-
-def _npz_member(path: Path, npz, key: str) -> np.ndarray:
-    """One array of an open .npz. Members are read lazily, so a damaged archive (bad CRC, truncated or rewritten
-    bytes, an unknown .npy format version) or an object array fails here, named with its member."""
-    try:
-        return npz[key]
-    except ValueError as exc:
-        if "allow_pickle" in str(exc):
-            raise OqError(f"{path}: member '{key}' holds a Python object array; oq reads .npz without pickle (it "
-                          f"would run code from the file): save numeric arrays") from None
-        raise OqError(f"{path}: member '{key}' is not a readable array ({_first_line(exc)})") from None
-    except Exception as exc:
-        raise OqError(f"{path}: member '{key}' is corrupt ({_first_line(exc)})") from None
 
 
 class CalibrationData:
@@ -186,6 +149,11 @@ class NpzStack(CalibrationData):
                 self.whole_feeds.add(spec.name)
             else:
                 _check_array(str(path), spec, arr)
+                batch = spec.shape[0] if spec.shape else None
+                if isinstance(batch, int) and batch != 1:  # samples would be fed one by one, at batch 1
+                    raise OqError(f"{path}: input '{spec.name}' has a fixed batch of {batch} "
+                                  f"({_fmt_shape(spec.shape)}); stack whole feeds on a new leading axis "
+                                  f"(an array of shape [N, {', '.join(map(str, spec.shape))}])")
             self.arrays[spec.name] = arr
             counts.add(arr.shape[0] if arr.ndim else 1)
         if len(counts) != 1:

@@ -48,7 +48,14 @@ def load_model(path: str | os.PathLike) -> onnx.ModelProto:
         raise OqError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'parse failed'})") from None
     if not model.graph.node and not model.graph.output:
         raise OqError(f"{path}: not an ONNX model (no graph found)")
+    check_ir_version(model, str(path))
     return model
+
+
+def check_ir_version(model: onnx.ModelProto, name: str) -> None:
+    if model.ir_version > onnx.IR_VERSION:
+        raise OqError(f"{name}: IR version {model.ir_version} is newer than the installed onnx reads "
+                      f"({onnx.IR_VERSION}); re-export the model with an older exporter or upgrade onnx")
 
 
 def model_size(model: onnx.ModelProto) -> int:

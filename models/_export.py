@@ -24,11 +24,11 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import warnings
 from importlib import metadata
 from pathlib import Path
 
+from ._weights import write_atomic
 from .specs import OPSET, get_spec
 
 _PKG_DIR = Path(__file__).resolve().parent
@@ -188,18 +188,5 @@ def build(name: str, cache_dir: str | os.PathLike | None = None) -> Path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     data = export_model(name).SerializeToString()
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".onnx.tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    write_atomic(path, data)
     return path

@@ -115,11 +115,19 @@ def write(name: str, state: dict[str, np.ndarray], directory: str | os.PathLike 
             np.lib.format.write_array(data, arr, allow_pickle=False)
             zf.writestr(info, data.getvalue(), compresslevel=9)
     path = d / f"{name}.npz"
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".npz.tmp", dir=d)
+    write_atomic(path, buf.getvalue())
+    return path
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """A temp file in the same folder, then a rename: concurrent writers never expose a partial file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-        os.chmod(tmp, 0o644)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -127,4 +135,3 @@ def write(name: str, state: dict[str, np.ndarray], directory: str | os.PathLike 
         except FileNotFoundError:
             pass
         raise
-    return path

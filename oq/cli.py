@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -85,6 +87,8 @@ def _run(args) -> int:
     inputs = model_files(args.model) + calibration_files(args.calib)
     OutputPlan(Path(args.output), inputs, suffixes, Path(args.report) if args.report else None).validate()
     result = run(args.model, config)
+    if args.interrupted:  # a Ctrl-C that Python swallowed (e.g. inside a weakref callback): write nothing
+        raise KeyboardInterrupt
     result.save(args.output, report=args.report)
     for warning in result.report.warnings:
         print(f"oq: warning: {warning}", file=sys.stderr)
@@ -129,10 +133,28 @@ def _inspect(args) -> int:
     return 0
 
 
+def _watch_interrupts(args):
+    """Remember every Ctrl-C, so one that Python discards on its way (exceptions in some callbacks are only
+    printed) still stops the run before it writes."""
+    args.interrupted = []
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_sigint(signum, frame):
+        args.interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGINT, on_sigint)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    previous_handler = _watch_interrupts(args)
     try:
-        return {"run": _run, "targets": _targets, "inspect": _inspect}[args.command](args)
+        status = {"run": _run, "targets": _targets, "inspect": _inspect}[args.command](args)
+        if args.interrupted:
+            raise KeyboardInterrupt
+        return status
     except OqError as exc:
         print(f"oq: error: {exc}", file=sys.stderr)
         return 2
@@ -151,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"oq: internal error{where}: {detail.splitlines()[0] if detail else ''}\n"
               f"oq: this is a bug in oq, not a problem with your input{hint}", file=sys.stderr)
         return 1
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGINT, previous_handler)
 
 
 if __name__ == "__main__":

@@ -3,14 +3,19 @@
 Every output path (the model, its external data file, side files, the report) must name a file in an existing
 folder, must not be a folder, and must not resolve (after symlinks) to any input file: the model, its external
 data, the calibration data. The files are first written in full to hidden temporaries beside their targets, then
-renamed into place one after the other with the model last, so an interrupted run leaves the previous outputs or
-the new ones, and the next run removes any temporaries a killed run left behind.
+renamed into place one after the other with the model last, with Ctrl-C held back meanwhile. Before the first
+rename a commit record is written; a run killed during the renames is completed from it by the next run in that
+folder, and a run killed earlier leaves its previous outputs, its temporaries removed by the next run.
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import shutil
+import signal
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +25,7 @@ from .errors import OqError
 
 from .ir import TEMP_PREFIX, make_temp_dir, match_file_mode, save_model
 
+JOURNAL = "commit.json"
 _TEMP_RE = re.compile(rf"^{re.escape(TEMP_PREFIX)}(\d+)-")
 
 
@@ -66,16 +72,45 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(folder: Path) -> None:
-    """Temporaries of runs that were killed (their process is gone)."""
+def _roll_forward(stage: Path) -> None:
+    """A killed run that had written its commit record had staged every file in full: finish its renames."""
     try:
-        entries = list(folder.iterdir())
+        moves = json.loads((stage / JOURNAL).read_text())
+    except (OSError, ValueError):
+        return
+    for src, dst in moves:
+        if os.path.exists(src):
+            os.replace(src, dst)
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Leftovers of runs that were killed (their process is gone): a run killed while placing its files is
+    completed from its commit record, any other run's temporaries are removed (its previous outputs stand)."""
+    try:
+        entries = sorted(folder.iterdir(), key=lambda e: not e.is_dir())  # staging folders (with records) first
     except OSError:
         return
     for entry in entries:
         m = _TEMP_RE.match(entry.name)
         if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            if entry.is_dir():
+                _roll_forward(entry)
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM wait until the renames are done (the main thread only can block them)."""
+    blockable = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
+    if blockable:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        if blockable:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @dataclass
@@ -95,6 +130,9 @@ class OutputPlan:
         return out
 
     def validate(self) -> None:
+        for folder in {p.parent if str(p.parent) else Path(".") for _, p in self.paths()}:
+            if folder.is_dir():
+                remove_stale_temporaries(folder)
         seen: dict[Path, str] = {}
         for role, path in self.paths():
             folder = path.parent if str(path.parent) else Path(".")
@@ -120,9 +158,6 @@ class OutputPlan:
         written model before anything is in place. Returns the side files' paths."""
         self.validate()
         folder = self.model.parent if str(self.model.parent) else Path(".")
-        remove_stale_temporaries(folder)
-        if self.report is not None:
-            remove_stale_temporaries(self.report.parent if str(self.report.parent) else Path("."))
         stage = make_temp_dir(folder)
         moves: list[tuple[Path, Path]] = []
         written: list[Path] = []
@@ -143,9 +178,13 @@ class OutputPlan:
                 report_tmp.write_bytes(report(written))
                 moves.append((report_tmp, self.report))
             moves.append((staged_model, self.model))
-            for src, dst in moves:
+            for src, _ in moves:
                 match_file_mode(src)
-                os.replace(src, dst)
+            # the commit record: from here on a killed run is completed by the next one (remove_stale_temporaries)
+            (stage / JOURNAL).write_text(json.dumps([[str(a.resolve()), str(b.resolve())] for a, b in moves]))
+            with _signals_deferred():
+                for src, dst in moves:
+                    os.replace(src, dst)
         except OSError as exc:
             raise OqError(f"cannot write {self.model}: {exc.strerror or exc}") from None
         finally:

@@ -164,3 +164,24 @@ def test_a_tensor_name_with_a_line_break_cannot_forge_calibration_cache_lines(tm
     feeds = [{"x": np.ones((1, 3, 8, 8), np.float32)}]
     with pytest.raises(OqError, match="contains a line break, which a TensorRT calibration cache cannot carry"):
         oq.quantize(model, "tensorrt", lambda: feeds, progress=False)
+
+
+def test_a_run_killed_while_placing_its_files_is_completed_by_the_next(work):
+    """The killed run had staged everything and written its commit record, then placed one file of three."""
+    root, model, calib = work
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stage = root / f".oq-tmp-{int(dead.stdout)}-xyz"
+    stage.mkdir()
+    (root / "q.calib.cache").write_bytes(b"new cache")  # already placed by the killed run
+    (stage / "q.ranges.json").write_bytes(b"new ranges")
+    (stage / "q.onnx").write_bytes(b"new model")
+    (root / "q.onnx").write_bytes(b"old model")
+    (root / "q.ranges.json").write_bytes(b"old ranges")
+    moves = [[str(stage / "q.calib.cache"), str(root / "q.calib.cache")],
+             [str(stage / "q.ranges.json"), str(root / "q.ranges.json")], [str(stage / "q.onnx"), str(root / "q.onnx")]]
+    (stage / "commit.json").write_text(json.dumps(moves))
+    proc = oq_cli("run", model, "--calib", calib, "-o", root / "other.onnx", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert [(root / n).read_bytes() for n in ("q.onnx", "q.ranges.json", "q.calib.cache")] == [
+        b"new model", b"new ranges", b"new cache"]
+    assert not stage.exists()

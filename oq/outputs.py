@@ -3,7 +3,7 @@
 Every output path (the model, its external data file, side files, the report) must name a file in an existing
 folder, must not be a folder, and must not resolve (after symlinks) to any input file: the model, its external
 data, the calibration data. The files are first written in full to hidden temporaries beside their targets, then
-renamed into place one after the other with the model last, with Ctrl-C held back meanwhile. Before the first
+renamed into place one after the other with the model last, with Ctrl-C and SIGTERM held back meanwhile. Before the first
 rename a commit record is written; a run killed during the renames is completed from it by the next run in that
 folder, and a run killed earlier leaves its previous outputs, its temporaries removed by the next run.
 """
@@ -102,15 +102,24 @@ def remove_stale_temporaries(folder: Path) -> None:
 
 @contextlib.contextmanager
 def _signals_deferred():
-    """Ctrl-C and SIGTERM wait until the renames are done (the main thread only can block them)."""
-    blockable = hasattr(signal, "pthread_sigmask") and threading.current_thread() is threading.main_thread()
-    if blockable:
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    """Ctrl-C and SIGTERM wait until the renames are done. Blocking the signal would not do: the kernel hands it to
+    any thread that does not block it (onnxruntime's, numpy's), so the handlers are swapped for ones that only
+    remember it, and the first remembered signal is raised once the files are in place."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: pending.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        if blockable:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if pending:
+        if pending[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.raise_signal(pending[0])
 
 
 @dataclass

@@ -61,6 +61,7 @@ class QuantResult:
 
 def _load(model) -> tuple[onnx.ModelProto, str]:
     if isinstance(model, onnx.ModelProto):
+        ir.check_ir_version(model, model.graph.name or "<model>")
         return model, model.graph.name or "<model>"
     return ir.load_model(model), str(model)
 
@@ -143,7 +144,8 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
              weight_bits: int | None = None, act_bits: int | None = None, progress: bool | None = None,
              preprocess: str | None = None, max_memory_mb: float | None = None, percentile: float | None = None,
              cpu: str = "auto", export_format: str = "qdq", equalize: bool | None = None, plugins=(),
-             output: "str | os.PathLike | None" = None) -> QuantResult:
+             pipeline: str = RunConfig.pipeline, algo: str | None = None, device: str = "cpu",
+             algo_iters: int | None = None, output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
     calib: an .npz of stacked samples keyed by input name; a folder of .npz feeds (one complete feed each, shapes
@@ -157,7 +159,9 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     model made for avx2 is safe everywhere). equalize: cross-layer equalization (rescaling channels between
     consecutive Conv/ConvTranspose/Gemm layers so per-tensor weight grids fit them); None leaves it to the target.
     progress: None shows a bar only when stderr is a terminal. plugins: modules to import first (they may register
-    observers). Every keyword is a field of oq.RunConfig, validated before any work.
+    observers). pipeline: the module providing the pass lists. algo: weight rounding, None or "rtn" (to nearest) or
+    "adaround" (learned per weight from the calibration data; needs torch), run on `device` ("cpu" or "cuda") for
+    `algo_iters` steps per layer (default 1000). Every keyword is a field of oq.RunConfig, validated before any work.
     Returns QuantResult(model, report, target, side_files); with `output`, the model is also written there atomically.
     """
     options = dict(locals())

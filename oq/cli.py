@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=None,
                      help="cross-layer equalization before quantizing (default: as the target says; on for vitis and "
                           "qnn, whose weights are per tensor)")
+    run.add_argument("--algo", metavar="ALGO",
+                     help="weight rounding: rtn (round to nearest, default) or adaround (learned per weight from the "
+                          "calibration data; needs torch: pip install 'oq-quant[torch]')")
+    run.add_argument("--device", default="cpu", help="where --algo adaround runs: cpu (default) or cuda")
+    run.add_argument("--algo-iters", type=int, metavar="N",
+                     help="--algo adaround: optimisation steps per layer (default 1000)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
 
     tg = sub.add_parser("targets", help="list built-in targets, or show one")
@@ -72,7 +78,8 @@ def _config(args) -> RunConfig:
                      calib_method=args.calib_method, percentile=args.percentile, max_memory_mb=args.max_memory,
                      preprocess=args.preprocess, exclude=args.exclude, overrides=args.override,
                      weight_bits=args.weight_bits, act_bits=args.act_bits, cpu=args.cpu, equalize=args.equalize,
-                     export_format=args.format, progress=False if args.quiet else None, plugins=args.plugin)
+                     export_format=args.format, progress=False if args.quiet else None, plugins=args.plugin,
+                     algo=args.algo, device=args.device, algo_iters=args.algo_iters)
 
 
 def _run(args) -> int:

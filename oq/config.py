@@ -14,13 +14,18 @@ from .errors import OqError
 
 CPU_CHOICES = ("auto", "vnni", "avx2", "avx512", "arm64")
 EXPORT_FORMATS = ("qdq", "qoperator")
+# weight rounding: None or "rtn" round to nearest; "adaround" learns up/down per weight from calibration data (torch)
+ALGO_CHOICES = ("rtn", "adaround")
+TORCH_ALGOS = ("adaround",)
+DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 # keyword -> command-line flag, so one message serves both entry points
 FLAGS = {"target": "--target", "calib": "--calib", "batch_size": "--batch-size", "calib_size": "--calib-size",
          "calib_method": "--calib-method", "percentile": "--percentile", "max_memory_mb": "--max-memory",
          "preprocess": "--preprocess", "exclude": "--exclude", "overrides": "--override",
          "weight_bits": "--weight-bits", "act_bits": "--act-bits", "cpu": "--cpu", "equalize": "--equalize",
-         "export_format": "--format", "progress": "--quiet", "plugins": "--plugin"}
+         "export_format": "--format", "progress": "--quiet", "plugins": "--plugin", "algo": "--algo",
+         "device": "--device", "algo_iters": "--algo-iters"}
 
 
 def option_error(name: str, problem: str) -> OqError:
@@ -52,6 +57,9 @@ class RunConfig:
     progress: bool | str | None = None
     plugins: tuple[str, ...] = ()  # modules imported before anything else (they may register observers)
     pipeline: str = "oq.passes.pipeline"  # module providing preparation() and quantization() pass lists
+    algo: str | None = None  # weight rounding: None / "rtn" (round to nearest) or "adaround" (needs torch)
+    device: str = "cpu"  # where torch runs the reconstruction: "cpu" or "cuda" (only used by algo = "adaround")
+    algo_iters: int | None = None  # optimisation steps per layer; None: the algorithm's default (1000)
 
     def __post_init__(self):
         for name in ("exclude", "overrides", "plugins"):
@@ -65,12 +73,14 @@ class RunConfig:
         from .plugins import load_plugins
 
         load_plugins(self.plugins)  # first: what they register (observers) is then known to the checks below
-        for name in ("batch_size", "calib_size", "weight_bits", "act_bits"):
+        for name in ("batch_size", "calib_size", "weight_bits", "act_bits", "algo_iters"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise option_error(name, f"must be an integer, got {value!r}")
         if self.batch_size < 1:
             raise option_error("batch_size", f"must be >= 1, got {self.batch_size}")
+        if self.algo_iters is not None and self.algo_iters < 1:
+            raise option_error("algo_iters", f"must be >= 1, got {self.algo_iters}")
         if self.calib_size is not None and self.calib_size < 1:
             raise option_error("calib_size", f"must be >= 1, got {self.calib_size}")
         for name in ("weight_bits", "act_bits"):
@@ -89,6 +99,7 @@ class RunConfig:
         if self.export_format not in EXPORT_FORMATS:
             raise option_error("export_format", f"unknown export format {self.export_format!r}; choose "
                                f"{' or '.join(EXPORT_FORMATS)}")
+        self._validate_algo()
         for pattern in self.exclude:
             if not pattern:
                 raise option_error("exclude", "empty pattern")
@@ -107,6 +118,21 @@ class RunConfig:
                 raise option_error("calib_method", f"unknown method {self.calib_method!r}; available: "
                                    f"{', '.join(observer_names())} (register your own with oq.register_observer, "
                                    f"from the CLI through --plugin MODULE)")
+
+    def _validate_algo(self) -> None:
+        if self.algo is not None and self.algo not in ALGO_CHOICES:
+            raise option_error("algo", f"unknown algorithm {self.algo!r}; choose {' or '.join(ALGO_CHOICES)}")
+        if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
+            raise option_error("device", f"unknown device {self.device!r}; choose cpu or cuda")
+        if self.algo not in TORCH_ALGOS:
+            return  # torch is neither needed nor imported
+        try:
+            import torch
+        except ImportError:
+            raise option_error("algo", f"{self.algo} needs torch: pip install 'oq-quant[torch]'") from None
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise option_error("device", f"{self.device} asked for but torch sees no CUDA device (torch "
+                               f"{torch.__version__}); use --device cpu")
 
     @property
     def parsed_overrides(self) -> list:
@@ -137,4 +163,4 @@ def keyword_names() -> list[str]:
     return [f.name for f in fields(RunConfig)]
 
 
-__all__ = ["RunConfig", "CPU_CHOICES", "EXPORT_FORMATS", "option_error", "keyword_names"]
+__all__ = ["RunConfig", "CPU_CHOICES", "EXPORT_FORMATS", "ALGO_CHOICES", "option_error", "keyword_names"]

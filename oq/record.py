@@ -40,6 +40,9 @@ def calibration_hash(calib, files: list[Path]) -> str:
 
 def run_record(config: RunConfig, target, calib_files: list[Path], passes: list[str], version: str) -> dict:
     options = {k: v for k, v in config.as_dict().items() if k not in EXECUTION_ONLY and v not in (None, [], ())}
+    if config.algo in (None, "rtn"):  # round to nearest: the same output whichever way it was asked for
+        for name in ("algo", "device", "algo_iters"):
+            options.pop(name, None)
     return {"oq.version": version, "oq.target": target.name, "oq.target_sha256": target_hash(target),
             "oq.options": json.dumps(options, sort_keys=True), "oq.calibration_sha256":
             calibration_hash(config.calib, calib_files), "oq.passes": ",".join(passes)}

@@ -22,6 +22,7 @@ from .fold_bn import FoldBatchNorm
 from .fold_constants import FoldConstants
 from .fuse_patterns import FusePatterns
 from .insert_qdq import InsertQDQ
+from .reconstruct import AdaRound
 from .saturation import GuardSaturation
 from .shape_inference import InferShapes
 from .sink_activation import SinkActivationBelowMaxPool
@@ -45,8 +46,11 @@ def quantization(config: RunConfig, target: Target, data, *, min_opset: int, ver
     passes += [FusePatterns(), Annotate(config.exclude, config.parsed_overrides),
                Calibrate(data, config.batch_size, config.calib_method, config.progress, config.max_memory_mb,
                          config.observer_args),
-               GuardSaturation(data, config.cpu, config.batch_size),
-               InsertQDQ(), SinkActivationBelowMaxPool(), Finalize(),
+               GuardSaturation(data, config.cpu, config.batch_size)]
+    if config.algo == "adaround":
+        passes.append(AdaRound(data, config.batch_size, config.algo_iters, config.device,
+                               max_memory_mb=config.max_memory_mb))
+    passes += [InsertQDQ(), SinkActivationBelowMaxPool(), Finalize(),
                ExportGraph(), PackInt4()]
     stamp = StampModel(version)
     passes += [stamp, AttachFunctions()]

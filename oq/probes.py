@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from . import ir
 from .observers import Observer
 
 # Ops whose output is >= 0 whatever their input; and ops whose output is non-negative when their (data) inputs are.
@@ -162,15 +163,7 @@ def add_probes(model: onnx.ModelProto, probes: dict[str, Probe]) -> onnx.ModelPr
     g = out.graph
     present = {o.name for o in g.output}
     types = _tensor_types(model)
-    taken = {t for n in g.node for t in list(n.input) + list(n.output)} | {i.name for i in g.input}
-    taken |= {i.name for i in g.initializer}
-
-    def fresh(base: str) -> str:
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        taken.add(name)
-        return name
+    fresh = ir.Namer.of_model(model)
 
     def fetch(name: str, elem: int = onnx.TensorProto.FLOAT) -> str:
         if name not in present:

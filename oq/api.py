@@ -15,7 +15,8 @@ from . import ir
 from .config import RunConfig, keyword_names
 from .data import RandomSource, model_inputs, open_calibration
 from .errors import InternalError, OqError
-from .outputs import OutputPlan, calibration_files, model_files
+from .emit import SIDE_FILE_SUFFIX
+from .outputs import OutputPlan, calibration_files
 from .passmanager import Context, PassManager
 from .plugins import resolve
 from .report import NodeRecord, Report
@@ -59,16 +60,18 @@ class QuantResult:
         return path
 
 
-def _load(model) -> tuple[onnx.ModelProto, str]:
+def _load(model) -> tuple[onnx.ModelProto, str, list[Path]]:
+    """The model, its name for messages, and the files it was read from."""
     if isinstance(model, onnx.ModelProto):
         ir.check_ir_version(model, model.graph.name or "<model>")
-        return model, model.graph.name or "<model>"
-    return ir.load_model(model), str(model)
+        return model, model.graph.name or "<model>", []
+    proto, files = ir.load_model_and_files(model)
+    return proto, str(model), files
 
 
 def prepare(model, pipeline: str = RunConfig.pipeline) -> Context:
     """Load and run the preparation passes (canonicalize, shapes, folding) without quantizing."""
-    proto, name = _load(model)
+    proto, name, _ = _load(model)
     ctx = Context(graph=ir.to_graph(proto), report=Report(model=name))
     PassManager(resolve(f"{pipeline}:preparation", "pipeline")()).run(ctx)
     return ctx
@@ -81,19 +84,6 @@ def _refuse_quantized(proto: onnx.ModelProto, name: str) -> None:
                       f"model (oq inspect --saturation checks an existing Q/DQ model)")
 
 
-def _checker_problem(proto: onnx.ModelProto, source) -> str | None:
-    """Why the input fails onnx.checker, if it does. onnxruntime runs many such models (e.g. value infos without a
-    shape field), so this is not refused; it is what a failing check of the output is blamed on."""
-    try:
-        if ir.model_size(proto) < ir.EXTERNAL_DATA_THRESHOLD:
-            onnx.checker.check_model(proto)
-        elif not isinstance(source, onnx.ModelProto):
-            onnx.checker.check_model(str(source))
-    except Exception as exc:
-        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-    return None
-
-
 def _resolve_target(config: RunConfig) -> Target:
     tgt = load_target(config.target)
     if config.weight_bits is not None or config.act_bits is not None:
@@ -103,10 +93,17 @@ def _resolve_target(config: RunConfig) -> Target:
     return tgt
 
 
-def run(model, config: RunConfig) -> QuantResult:
-    """Quantize `model` (a path or ModelProto) as `config` says."""
+def run(model, config: RunConfig, output: "str | os.PathLike | None" = None,
+        report: "str | os.PathLike | None" = None) -> QuantResult:
+    """Quantize `model` (a path or ModelProto) as `config` says. Given the `output` (and `report`) paths the result
+    will be saved to, they are checked before any work (QuantResult.save writes them)."""
     tgt = _resolve_target(config)
-    proto, name = _load(model)
+    proto, name, model_files = _load(model)
+    calib_files = calibration_files(config.calib)
+    inputs = model_files + calib_files
+    if output is not None:
+        suffixes = [SIDE_FILE_SUFFIX[side] for side in tgt.side_files]
+        OutputPlan(Path(output), inputs, suffixes, Path(report) if report else None).validate()
     if config.calib is None:
         raise OqError("no calibration data given: pass an .npz, a folder of .npz feeds or images, "
                       "'module:function', or 'random' (not recommended)")
@@ -115,7 +112,7 @@ def run(model, config: RunConfig) -> QuantResult:
     template = onnx.ModelProto(doc_string=proto.doc_string, model_version=proto.model_version, domain=proto.domain)
     template.metadata_props.extend(proto.metadata_props)
     ctx = Context(graph=ir.to_graph(proto), target=tgt, template=template, report=Report(model=name, target=tgt.name),
-                  input_checker_problem=_checker_problem(proto, model))
+                  input_model=model)
     if isinstance(data, RandomSource):
         ctx.report.warnings.append("calibrated on random data: ranges do not reflect real inputs, expect poor "
                                    "accuracy")
@@ -127,7 +124,6 @@ def run(model, config: RunConfig) -> QuantResult:
     del proto
     from . import __version__
 
-    calib_files = calibration_files(config.calib)
     ctx.report.options = config.as_dict()
     passes = resolve(f"{config.pipeline}:quantization", "pipeline")(config, tgt, data, min_opset=min_opset,
                                                                      version=__version__, calib_files=calib_files)
@@ -135,7 +131,6 @@ def run(model, config: RunConfig) -> QuantResult:
     op_of = {n.name: n.op for n in ctx.graph.nodes}
     for node_name, (quantized, reason) in ctx.plan.status.items():
         ctx.report.nodes.append(NodeRecord(node_name, op_of.get(node_name, "?"), quantized, reason))
-    inputs = (model_files(model) if not isinstance(model, onnx.ModelProto) else []) + calib_files
     return QuantResult(ctx.model, ctx.report, tgt, dict(ctx.side_files), inputs)
 
 
@@ -167,7 +162,7 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     options = dict(locals())
     model, output = options.pop("model"), options.pop("output")
     assert set(options) <= set(keyword_names())
-    result = run(model, RunConfig(**options))
+    result = run(model, RunConfig(**options), output)
     if output is not None:
         result.save(output)
     return result

@@ -6,7 +6,6 @@ import signal
 import sys
 import threading
 import traceback
-from pathlib import Path
 
 from .config import CPU_CHOICES, RunConfig
 from .errors import InternalError, OqError
@@ -84,16 +83,9 @@ def _config(args) -> RunConfig:
 
 def _run(args) -> int:
     from .api import run
-    from .emit import SIDE_FILE_SUFFIX
-    from .outputs import OutputPlan, calibration_files, model_files
-    from .target import load_target
 
-    config = _config(args)
     # every output path is checked before any work: a run never fails after writing, nor writes over an input
-    suffixes = [SIDE_FILE_SUFFIX[name] for name in load_target(config.target).side_files]
-    inputs = model_files(args.model) + calibration_files(args.calib)
-    OutputPlan(Path(args.output), inputs, suffixes, Path(args.report) if args.report else None).validate()
-    result = run(args.model, config)
+    result = run(args.model, _config(args), output=args.output, report=args.report)
     if args.interrupted:  # a Ctrl-C that Python swallowed (e.g. inside a weakref callback): write nothing
         raise KeyboardInterrupt
     result.save(args.output, report=args.report)

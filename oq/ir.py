@@ -37,19 +37,40 @@ def match_file_mode(path: Path) -> None:
 
 def load_model(path: str | os.PathLike) -> onnx.ModelProto:
     """Load an ONNX file with its external data; raise OqError with the reason when it cannot be read."""
+    return load_model_and_files(path)[0]
+
+
+def load_model_and_files(path: str | os.PathLike) -> tuple[onnx.ModelProto, list[Path]]:
+    """The model with its external data, and the files it was read from (the model file first), from one parse:
+    loading the external data clears the locations the tensors named."""
     path = Path(path)
     if not path.exists():
         raise OqError(f"{path}: no such file")
     if path.is_dir():
         raise OqError(f"{path}: is a directory, expected an .onnx file")
     try:
-        model = onnx.load(str(path), load_external_data=True)
+        model = onnx.load(str(path), load_external_data=False)
+        files = [path] + sorted({path.parent / e.value for init in model.graph.initializer
+                                 for e in init.external_data if e.key == "location"})
+        onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as exc:  # protobuf raises several unrelated types
         raise OqError(f"{path}: not a readable ONNX model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'parse failed'})") from None
     if not model.graph.node and not model.graph.output:
         raise OqError(f"{path}: not an ONNX model (no graph found)")
     check_ir_version(model, str(path))
-    return model
+    return model, files
+
+
+def checker_problem(source: "onnx.ModelProto | str | os.PathLike") -> str | None:
+    """Why a model (in memory, or a file with its external data) fails onnx.checker, or None."""
+    try:
+        if not isinstance(source, onnx.ModelProto):
+            onnx.checker.check_model(str(source))
+        elif model_size(source) < EXTERNAL_DATA_THRESHOLD:
+            onnx.checker.check_model(source)
+    except Exception as exc:
+        return str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return None
 
 
 def check_ir_version(model: onnx.ModelProto, name: str) -> None:
@@ -97,16 +118,6 @@ def save_model(model: onnx.ModelProto, path: str | os.PathLike, external_data: b
             leftover.unlink()
         tmpdir.rmdir()
     return path
-
-
-def write_atomic(path: Path, content: bytes) -> None:
-    """Write bytes whole or not at all (temp file in the same folder, then rename)."""
-    tmp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{path.name}")
-    try:
-        tmp.write_bytes(content)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _copy(model: onnx.ModelProto) -> onnx.ModelProto:

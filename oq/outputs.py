@@ -22,26 +22,10 @@ from pathlib import Path
 import onnx
 
 from .errors import OqError
-
 from .ir import TEMP_PREFIX, make_temp_dir, match_file_mode, save_model
 
 JOURNAL = "commit.json"
 _TEMP_RE = re.compile(rf"^{re.escape(TEMP_PREFIX)}(\d+)-")
-
-
-def model_files(path: "str | os.PathLike") -> list[Path]:
-    """The model file and the external data files it names."""
-    path = Path(path)
-    files = [path]
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception:  # unreadable: the loader reports it; here only the path itself counts
-        return files
-    for init in proto.graph.initializer:
-        for entry in init.external_data:
-            if entry.key == "location":
-                files.append(path.parent / entry.value)
-    return files
 
 
 def calibration_files(calib) -> list[Path]:

@@ -6,6 +6,7 @@ and onnxruntime sessions take ModelProto.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -41,8 +42,9 @@ class Context:
     model: onnx.ModelProto | None = None
     # side files emitted by the target, keyed by the suffix appended to the output's stem (".calib.cache")
     side_files: dict[str, bytes] = field(default_factory=dict)
-    # why the input model already failed onnx.checker (None: it passed), so that a failing output is blamed on it
-    input_checker_problem: str | None = None
+    # the model as given (a path or the caller's ModelProto): a failing check of the output is blamed on it when it
+    # fails the check too, which is looked at only then
+    input_model: "onnx.ModelProto | str | os.PathLike | None" = None
 
     def node_count(self) -> int:
         return len(self.model.graph.node) if self.model is not None else len(self.graph.nodes)

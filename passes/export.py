@@ -24,8 +24,9 @@ def checker_passes(ctx: Context) -> str | None:
     try:
         onnx.checker.check_model(ctx.model, full_check=True)
     except Exception as exc:
-        if ctx.input_checker_problem:  # the input's own defect, not a bug of a pass
-            raise OqError(f"the input model fails onnx.checker ({ctx.input_checker_problem}), and so does the "
+        input_problem = ir.checker_problem(ctx.input_model) if ctx.input_model is not None else None
+        if input_problem:  # the input's own defect, not a bug of a pass
+            raise OqError(f"the input model fails onnx.checker ({input_problem}), and so does the "
                           f"quantized one; fix the input model") from None
         return f"the exported model fails onnx.checker: {str(exc).splitlines()[0]}"
     return None

@@ -52,11 +52,14 @@ def _parser() -> argparse.ArgumentParser:
                      help="cross-layer equalization before quantizing (default: as the target says; on for vitis and "
                           "qnn, whose weights are per tensor)")
     run.add_argument("--algo", metavar="ALGO",
-                     help="weight rounding: rtn (round to nearest, default) or adaround (learned per weight from the "
-                          "calibration data; needs torch: pip install 'oq-quant[torch]')")
-    run.add_argument("--device", default="cpu", help="where --algo adaround runs: cpu (default) or cuda")
+                     help="weight rounding: rtn (round to nearest, default); adaround (learned per layer), brecq "
+                          "(learned per block, with activation steps), qdrop (brecq with random dropping of "
+                          "activation quantization); learned from the calibration data, needs torch: "
+                          "pip install 'oq-quant[torch]'")
+    run.add_argument("--device", default="cpu", help="where --algo adaround/brecq/qdrop runs: cpu (default) or cuda")
     run.add_argument("--algo-iters", type=int, metavar="N",
-                     help="--algo adaround: optimisation steps per layer (default 1000)")
+                     help="--algo: optimisation steps per layer (adaround, default 1000) or per block (brecq, "
+                          "qdrop, default 500)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
 
     tg = sub.add_parser("targets", help="list built-in targets, or show one")

@@ -14,9 +14,10 @@ from .errors import OqError
 
 CPU_CHOICES = ("auto", "vnni", "avx2", "avx512", "arm64")
 EXPORT_FORMATS = ("qdq", "qoperator")
-# weight rounding: None or "rtn" round to nearest; "adaround" learns up/down per weight from calibration data (torch)
-ALGO_CHOICES = ("rtn", "adaround")
-TORCH_ALGOS = ("adaround",)
+# weight rounding: None or "rtn" round to nearest; "adaround" learns up/down per weight, "brecq" and "qdrop" per
+# block with activation steps, from calibration data (torch)
+ALGO_CHOICES = ("rtn", "adaround", "brecq", "qdrop")
+TORCH_ALGOS = ("adaround", "brecq", "qdrop")
 DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 # keyword -> command-line flag, so one message serves both entry points
@@ -57,9 +58,11 @@ class RunConfig:
     progress: bool | str | None = None
     plugins: tuple[str, ...] = ()  # modules imported before anything else (they may register observers)
     pipeline: str = "oq.passes.pipeline"  # module providing preparation() and quantization() pass lists
-    algo: str | None = None  # weight rounding: None / "rtn" (round to nearest) or "adaround" (needs torch)
-    device: str = "cpu"  # where torch runs the reconstruction: "cpu" or "cuda" (only used by algo = "adaround")
-    algo_iters: int | None = None  # optimisation steps per layer; None: the algorithm's default (1000)
+    # None / "rtn": round to nearest; "adaround" (per layer), "brecq", "qdrop" (per block): learned from the
+    # calibration data with torch
+    algo: str | None = None
+    device: str = "cpu"  # where torch runs the reconstruction: "cpu" or "cuda"
+    algo_iters: int | None = None  # optimisation steps per layer or block; None: the algorithm's default
 
     def __post_init__(self):
         for name in ("exclude", "overrides", "plugins"):
@@ -121,7 +124,7 @@ class RunConfig:
 
     def _validate_algo(self) -> None:
         if self.algo is not None and self.algo not in ALGO_CHOICES:
-            raise option_error("algo", f"unknown algorithm {self.algo!r}; choose {' or '.join(ALGO_CHOICES)}")
+            raise option_error("algo", f"unknown algorithm {self.algo!r}; choose {', '.join(ALGO_CHOICES)}")
         if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
             raise option_error("device", f"unknown device {self.device!r}; choose cpu or cuda")
         if self.algo not in TORCH_ALGOS:

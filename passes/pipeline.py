@@ -12,6 +12,7 @@ from oq.runtime import max_qdq_opset
 from oq.target import Target
 
 from .annotate import Annotate
+from .block_recon import BlockReconstruction
 from .calibrate import Calibrate
 from .canonicalize import Canonicalize
 from .dead_code import RemoveDeadNodes
@@ -50,6 +51,9 @@ def quantization(config: RunConfig, target: Target, data, *, min_opset: int, ver
     if config.algo == "adaround":
         passes.append(AdaRound(data, config.batch_size, config.algo_iters, config.device,
                                max_memory_mb=config.max_memory_mb))
+    elif config.algo in ("brecq", "qdrop"):
+        passes.append(BlockReconstruction(data, config.algo, config.algo_iters, config.device,
+                                          max_memory_mb=config.max_memory_mb, progress=config.progress))
     passes += [InsertQDQ(), SinkActivationBelowMaxPool(), Finalize(),
                ExportGraph(), PackInt4()]
     stamp = StampModel(version)

@@ -297,7 +297,7 @@ def test_rtn_is_the_default_whichever_way_it_is_asked(tmp_path):
 # options and the command line
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"algo": "bogus"}, "--algo: unknown algorithm 'bogus'; choose rtn or adaround"),
+    ({"algo": "bogus"}, "--algo: unknown algorithm 'bogus'; choose rtn, adaround, brecq, qdrop"),
     ({"algo": "adaround", "device": "tpu"}, "--device: unknown device 'tpu'"),
     ({"algo": "adaround", "algo_iters": 0}, "--algo-iters: must be >= 1, got 0"),
 ])
@@ -327,7 +327,7 @@ def test_cli_runs_adaround(mlp_files, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--algo", "bogus"], "oq: error: --algo: unknown algorithm 'bogus'; choose rtn or adaround"),
+    (["--algo", "bogus"], "oq: error: --algo: unknown algorithm 'bogus'; choose rtn, adaround, brecq, qdrop"),
     (["--algo", "adaround", "--device", "cuda"], "oq: error: --device: cuda asked for but torch sees no CUDA device"),
 ])
 def test_cli_refuses_in_one_line(mlp_files, capsys, monkeypatch, extra, message):

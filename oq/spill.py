@@ -24,6 +24,7 @@ class SpillStore:
         self.in_memory = 0  # bytes
         self.on_disk = 0
         self.peak_memory = 0
+        self.peak_disk = 0
         self._count = 0  # files written, for unique names
 
     def __enter__(self) -> "SpillStore":
@@ -47,6 +48,7 @@ class SpillStore:
         np.save(path, value)
         self._files[key, chunk] = (path, value.nbytes)
         self.on_disk += value.nbytes
+        self.peak_disk = max(self.peak_disk, self.on_disk)
 
     def get(self, key: str, chunk: int) -> np.ndarray:
         if (key, chunk) in self._memory:

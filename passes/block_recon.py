@@ -27,6 +27,7 @@ import onnx_graphsurgeon as gs
 
 from oq import ir
 from oq.blocks import partition
+from oq.calibration import progress_reporter
 from oq.errors import OqError
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS
@@ -88,6 +89,7 @@ class BlockReconstruction(Pass):
             module.requires_grad_(False)
             modules.append((module, list(dict.fromkeys(bweight.values())), list(dict.fromkeys(bact.values()))))
         last_read = _last_reads(blocks)
+        bar = progress_reporter(self.progress, f"{self.algo} ({len(blocks)} blocks)", len(blocks))
         with SpillStore(self.budget) as store:
             chunks = self._first_inputs(model, blocks, store)
             lines = []
@@ -96,12 +98,14 @@ class BlockReconstruction(Pass):
                                           blockrecon)
                 record["blocks"].append(entry)
                 lines.append(line)
+                bar.update(1)
                 for name, last in last_read.items():
                     if last == k:
                         store.drop("fp:" + name)
                         store.drop("q:" + name)
-            record["spilled_mb"] = round(store.on_disk / 2**20, 1)
-            record["peak_cached_mb"] = round(store.peak_memory / 2**20, 1)
+            bar.close()
+            record["peak_spilled_mb"] = round(store.peak_disk / 2**20, 3)
+            record["peak_cached_mb"] = round(store.peak_memory / 2**20, 3)
         changed = _write_back(graph, plan, weights, acts, quant, record)
         record["seconds"] = round(time.perf_counter() - start, 3)
         kept = sum(1 for b in record["blocks"] if b["kept"] == "learned")

@@ -247,3 +247,14 @@ def test_cli_runs_qdrop(tmp_path, capsys):
     assert code == 0 and out.exists()
     text = capsys.readouterr()
     assert "block-reconstruction" in text.out + text.err
+
+
+def test_spilling_block_data_to_disk_changes_nothing(tmp_path):
+    kw = dict(target="tensorrt", algo_iters=30, n=32)
+    in_memory = _quantize("mlp", tmp_path, "qdrop", **kw)
+    spilled = _quantize("mlp", tmp_path, "qdrop", max_memory_mb=0.002, **kw)
+    assert in_memory.report.calibration["reconstruction"]["peak_spilled_mb"] == 0
+    assert spilled.report.calibration["reconstruction"]["peak_spilled_mb"] > 0
+    assert spilled.report.calibration["reconstruction"]["peak_cached_mb"] <= 0.002
+    a, b = _inits(in_memory.model), _inits(spilled.model)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -70,6 +70,7 @@ class Quantizers(nn.Module):
                  device="cpu"):
         super().__init__()
         self.mode, self.drop = "nearest", 0.0
+        self.gen = torch.Generator(device=device)  # QDrop's draws, seeded per block by train_block
         self.weight_keys = list(weights)
         self._w: dict[str, dict[str, torch.Tensor]] = {}
         self.v = nn.ParameterDict()
@@ -121,7 +122,8 @@ class Quantizers(nn.Module):
             y = fake_quantize(x, torch.exp(self.scale_params[name]), fq.zero_point, fq.qmin, fq.qmax, fq.axis,
                               fq.block_size, "lsq", grad_scale=1.0)
         if self.mode == "soft" and self.drop > 0:
-            y = torch.where(torch.rand_like(x) < self.drop, x, y)
+            keep = torch.rand(x.shape, generator=self.gen, device=x.device) < self.drop
+            y = torch.where(keep, x, y)
         return y
 
     def ops(self) -> dict:
@@ -210,10 +212,16 @@ def beta_at(step: int, s: Settings) -> float | None:
     return s.beta[1] + (s.beta[0] - s.beta[1]) * max(0.0, 1.0 - progress)
 
 
+def _writable(a) -> np.ndarray:
+    """A memory-mapped (read-only) array copied into memory; torch does not take read-only buffers."""
+    a = np.asarray(a)
+    return a if a.flags.writeable else np.array(a)
+
+
 def run_block(module: nn.Module, inputs: list[np.ndarray], device) -> list[np.ndarray]:
     """The block's outputs (numpy) for one chunk of inputs, without gradients."""
     with torch.no_grad():
-        out = module(*[torch.as_tensor(np.asarray(x), device=device) for x in inputs])
+        out = module(*[torch.as_tensor(_writable(x), device=device) for x in inputs])
     out = out if isinstance(out, tuple) else (out,)
     return [o.detach().cpu().numpy() for o in out]
 
@@ -261,7 +269,7 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
         return sum(output_loss(out[j], targets[j]) for j in float_outputs)
 
     def tensors(arrays):
-        return [torch.as_tensor(np.asarray(a), device=device) for a in arrays]
+        return [torch.as_tensor(_writable(a), device=device) for a in arrays]
 
     def evaluate(mode: str) -> float:
         quant.mode, total = mode, 0.0
@@ -279,6 +287,7 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
     groups = [g for g in ({"params": v, "lr": lr}, {"params": s, "lr": settings.scale_lr}) if g["params"]]
     opt = torch.optim.Adam(groups)
     gen = torch.Generator().manual_seed(seed)
+    quant.gen.manual_seed(seed)
     quant.mode, quant.drop = "soft", settings.drop
     for step in range(settings.iters):
         c = int(torch.randint(n_chunks, (1,), generator=gen))

@@ -10,8 +10,9 @@ float model's values. `qdrop` also drops activation quantization at random while
 Write-back keeps the target's rules: weights become the dequantized grid points of the learned codes (insert-qdq
 quantizes them back to exactly those codes, as for AdaRound); a learned activation scale replaces the calibrated one
 for its whole scale-sharing group, zero-points stay, power-of-two grids stay powers of two, min_scale holds, and
-int32 biases are derived from the new scales by insert-qdq as usual. A block whose learned state does not lower its
-output error keeps round-to-nearest and its calibrated scales.
+int32 biases are derived from the new scales by insert-qdq as usual. The calibration chunks (16 samples each) are
+split: an eighth of them (at least one) is held out, and each block keeps, of round-to-nearest, its learned rounding
+with learned scales and its learned rounding with calibrated scales, whichever gives the lowest output error there.
 
 Block inputs and outputs for every calibration chunk (float and quantized versions) are held by oq.spill: in memory
 up to --max-memory (default 1024 MB) and in a temporary folder beyond it, so depth and sample count are bounded by
@@ -45,7 +46,7 @@ class BlockReconstruction(Pass):
     requires = (has_plan,)
 
     def __init__(self, data, algo: str = "qdrop", iters: int | None = None, device: str = "cpu",
-                 max_samples: int = 256, chunk: int = 32, max_memory_mb: float | None = None,
+                 max_samples: int = 256, chunk: int = 16, max_memory_mb: float | None = None,
                  block_layers: int = 2, max_layers: int = 4, progress=None, seed: int = 0, **settings):
         if algo not in DEFAULTS:
             raise OqError(f"unknown block reconstruction {algo!r}; choose {' or '.join(DEFAULTS)}")
@@ -142,8 +143,10 @@ class BlockReconstruction(Pass):
         gain = 10 * np.log10(n / lrn) if lrn > 0 and n > 0 else 0.0
         entry = {"block": k, "nodes": [x.name for x in block.nodes], "layers": block.layers,
                  "inputs": block.inputs, "outputs": block.outputs, "loss_nearest": n, "loss_learned": lrn,
-                 "kept": "learned" if outcome.kept else "nearest", "seconds": round(outcome.seconds, 3)}
-        what = (f"loss {n:.4g} -> {lrn:.4g} ({gain:+.1f} dB)" if outcome.kept else
+                 "kept": "learned" if outcome.kept else "nearest", "scales_kept": outcome.scales_kept,
+                 "validation_chunks": outcome.validation_chunks, "seconds": round(outcome.seconds, 3)}
+        scales = "learned" if outcome.scales_kept else "calibrated"
+        what = (f"loss {n:.4g} -> {lrn:.4g} ({gain:+.1f} dB, {scales} activation scales)" if outcome.kept else
                 f"kept round-to-nearest (learned {lrn:.4g} vs {n:.4g})")
         return entry, f"block {k} ({len(block.layers)} layers, {block.name}): {what}, {outcome.seconds:.1f}s"
 

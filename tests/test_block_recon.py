@@ -182,8 +182,9 @@ def test_brecq_beats_round_to_nearest_on_held_out_data(resnet_w4):
     for block in record["blocks"]:
         assert block["layers"] and block["inputs"] and block["outputs"]
         assert (block["loss_learned"] < block["loss_nearest"]) == (block["kept"] == "learned")
+        assert block["validation_chunks"] == 1  # 64 samples: four chunks of 16, one held out
     notes = "\n".join(next(p.notes for p in brecq.report.passes if p.name == "block-reconstruction"))
-    assert re.search(r"block 0 \(\d+ layers, .*\): loss \S+ -> \S+ \([+-]\d+\.\d dB\)", notes), notes
+    assert re.search(r"block 0 \(\d+ layers, .*\): loss \S+ -> \S+ \([+-]\d+\.\d dB, (learned|calibrated) activation scales\)", notes), notes
 
 
 def test_brecq_output_has_the_structure_of_round_to_nearest(resnet_w4):

@@ -71,6 +71,7 @@ class Quantizers(nn.Module):
         super().__init__()
         self.mode, self.drop = "nearest", 0.0
         self.gen = torch.Generator(device=device)  # QDrop's draws, seeded per block by train_block
+        self.learned_scales = True  # off: activations use their calibrated scales whatever was learned
         self.weight_keys = list(weights)
         self._w: dict[str, dict[str, torch.Tensor]] = {}
         self.v = nn.ParameterDict()
@@ -112,7 +113,7 @@ class Quantizers(nn.Module):
         if self.mode == "float" or key not in self._a or not torch.is_floating_point(x):
             return x
         fq, method, name = self._a[key]
-        learned = self.mode != "nearest" and name in self.scale_params
+        learned = self.mode != "nearest" and self.learned_scales and name in self.scale_params
         if not learned:
             y = fake_quantize(x, fq.scale, fq.zero_point, fq.qmin, fq.qmax, fq.axis, fq.block_size, "ste")
         elif method == "pot":
@@ -241,19 +242,22 @@ def _sub_batch(arrays, size: int | None, gen: torch.Generator):
 @dataclass
 class BlockOutcome:
     loss_nearest: float
-    loss_learned: float
+    loss_learned: float  # of what was kept: learned rounding and scales, or learned rounding with calibrated scales
     kept: bool  # the learned state was kept (it lowered the loss)
+    scales_kept: bool  # the learned activation scales were kept too
+    validation_chunks: int
     steps: int
     seconds: float
 
 
 def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], act_keys: list[str], data,
-                n_chunks: int, float_outputs: list[int], settings: Settings, seed: int,
-                eval_chunks: int = 8) -> BlockOutcome:
+                n_chunks: int, float_outputs: list[int], settings: Settings, seed: int) -> BlockOutcome:
     """Learn the block's quantizers. `data(chunk)` gives (float inputs, quantized inputs, float targets) as lists
-    of numpy arrays; the outcome's losses are the mean output loss over the first `eval_chunks` chunks with the
-    quantized inputs, at round-to-nearest and with what was learned. A block whose learned state does not lower
-    that loss goes back to round-to-nearest and its calibrated scales."""
+    of numpy arrays. With two chunks or more, the last eighth of them (at least one) is held out: learning never
+    sees it, and the outcome's losses are the mean output loss there (quantized inputs) at round-to-nearest and with
+    what was learned. Of round-to-nearest, the learned rounding with the learned scales and the learned rounding with
+    the calibrated scales, the block keeps the one with the lowest held-out loss: step sizes fitted to a few hundred
+    samples can lose on others (measured on a small MLP: 26.1 dB at round-to-nearest, 22.4 with learned scales)."""
     import time
 
     start = time.perf_counter()
@@ -261,7 +265,9 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
     v, s = quant.parameters_of(weight_keys, act_keys if settings.learn_scales else [])
     if not settings.learn_scales:
         quant.forget([], act_keys)
-    evals = list(range(min(n_chunks, eval_chunks)))
+    n_val = max(1, n_chunks // 8) if n_chunks >= 2 else 0
+    n_train = n_chunks - n_val
+    evals = list(range(n_train, n_chunks)) or [0]
 
     def loss_on(chunk_inputs, targets) -> torch.Tensor:
         out = module(*chunk_inputs)
@@ -281,7 +287,7 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
 
     loss_nearest = evaluate("nearest")
     if not (v or s) or settings.iters <= 0:
-        return BlockOutcome(loss_nearest, loss_nearest, False, 0, time.perf_counter() - start)
+        return BlockOutcome(loss_nearest, loss_nearest, False, False, n_val, 0, time.perf_counter() - start)
     saved = quant.snapshot(weight_keys, act_keys)
     lr = settings.lr if settings.lr is not None else PAPER_LR * PAPER_ITERS / max(settings.iters, 1)
     groups = [g for g in ({"params": v, "lr": lr}, {"params": s, "lr": settings.scale_lr}) if g["params"]]
@@ -290,7 +296,7 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
     quant.gen.manual_seed(seed)
     quant.mode, quant.drop = "soft", settings.drop
     for step in range(settings.iters):
-        c = int(torch.randint(n_chunks, (1,), generator=gen))
+        c = int(torch.randint(n_train, (1,), generator=gen))
         fp_in, q_in, targets = _sub_batch(data(c), settings.step_batch, gen)
         x = tensors(q_in)
         if settings.drop > 0:  # QDrop: each input value from the float or the quantized model, even odds
@@ -306,12 +312,19 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
         opt.step()
     quant.drop = 0.0
     loss_learned = evaluate("hard")
-    kept = loss_learned < loss_nearest
+    quant.learned_scales = False
+    loss_weights = evaluate("hard") if s else float("inf")
+    quant.learned_scales = True
+    best = min(loss_nearest, loss_learned, loss_weights)
+    kept, scales_kept = best < loss_nearest, best == loss_learned and best < loss_nearest
     if not kept:
         quant.restore(weight_keys, act_keys, saved)
         quant.forget(weight_keys, act_keys)
+    elif not scales_kept:
+        quant.forget([], act_keys)
     quant.mode = "hard"
-    return BlockOutcome(loss_nearest, loss_learned, kept, settings.iters, time.perf_counter() - start)
+    shown = best if kept else min(loss_learned, loss_weights)
+    return BlockOutcome(loss_nearest, shown, kept, scales_kept, n_val, settings.iters, time.perf_counter() - start)
 
 
 __all__ = ["Settings", "WeightPoint", "Quantizers", "output_loss", "beta_at", "run_block", "train_block",

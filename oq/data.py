@@ -33,8 +33,9 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        dims = (tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim)
-                if tt.HasField("shape") else None)
+        # a negative dim_value (some exporters write -1 for a dynamic axis) is as unknown as a missing one
+        dims = (tuple(d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else (d.dim_param or None)
+                      for d in tt.shape.dim) if tt.HasField("shape") else None)
         specs.append(InputSpec(vi.name, np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)), dims))
     return specs
 

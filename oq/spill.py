@@ -35,7 +35,9 @@ class SpillStore:
 
     def put(self, key: str, chunk: int, value: np.ndarray) -> None:
         self.drop_one(key, chunk)
-        value = np.ascontiguousarray(value)
+        value = np.asarray(value)
+        if not value.flags.c_contiguous:  # not np.ascontiguousarray: it turns a 0-d array (a shape scalar) into 1-d
+            value = value.copy(order="C")
         if self.in_memory + value.nbytes <= self.budget:
             self._memory[key, chunk] = value
             self.in_memory += value.nbytes

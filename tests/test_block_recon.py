@@ -104,6 +104,8 @@ def test_spill_store_keeps_values_on_disk_beyond_its_budget(tmp_path):
         store.drop("b")
         assert ("b", 0) not in store and store.on_disk == 0 and not list(tmp_path.rglob("*.npy"))
         store.put("c", 1, b)
+        store.put("scalar", 0, np.array(3, np.int64))  # shape scalars stay 0-d, in memory or on disk
+        assert store.get("scalar", 0).shape == ()
     assert not list(tmp_path.iterdir())  # the private folder is gone after close
 
 
@@ -259,3 +261,26 @@ def test_spilling_block_data_to_disk_changes_nothing(tmp_path):
     assert spilled.report.calibration["reconstruction"]["peak_cached_mb"] <= 0.002
     a, b = _inits(in_memory.model), _inits(spilled.model)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_exporters_minus_one_batch_is_dynamic_and_scalar_gathers_run(tmp_path):
+    """An input declared [-1, 3, 8, 8] (as paddle2onnx writes a dynamic batch) takes a stack of samples, and a
+    block reading a shape scalar (Shape -> Gather with a scalar index, as transformer exports build reshape
+    targets) runs in the bridge."""
+    from oq.bridge import to_torch
+
+    model = _residual_model(n_chain=1)
+    model.graph.input[0].type.tensor_type.shape.dim[0].ClearField("dim_param")
+    model.graph.input[0].type.tensor_type.shape.dim[0].dim_value = -1
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    np.savez(tmp_path / "c.npz", x=np.random.default_rng(0).normal(size=(8, 3, 8, 8)).astype(np.float32))
+    result = oq.quantize(path, target="tensorrt", calib=tmp_path / "c.npz", progress=False)
+    assert any(n.op_type == "QuantizeLinear" for n in result.model.graph.node)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i"], ["n"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5])],
+                              [helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+                              [numpy_helper.from_array(np.array(1, np.int64), "i")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    out = to_torch(m)(torch.zeros(2, 5))
+    assert out.shape == () and int(out) == 5

@@ -229,10 +229,13 @@ def run_block(module: nn.Module, inputs: list[np.ndarray], device) -> list[np.nd
 
 def _sub_batch(arrays, size: int | None, gen: torch.Generator):
     """(float inputs, quantized inputs, targets) cut to `size` random samples along the leading axis, when every
-    float array has the same leading size (the chunk's samples); as they are otherwise."""
-    floats = [a for group in arrays for a in group if np.asarray(a).dtype.kind == "f" and np.ndim(a) > 0]
-    n = floats[0].shape[0] if floats else 0
-    if size is None or n <= size or any(a.shape[0] != n for a in floats):
+    array is float with the same leading size (the chunk's samples); as they are otherwise: an integer input is
+    usually a shape computed from the whole chunk (a transformer's reshape target holds the batch size)."""
+    every = [np.asarray(a) for group in arrays for a in group]
+    if any(a.dtype.kind != "f" or a.ndim == 0 for a in every):
+        return arrays
+    n = every[0].shape[0] if every else 0
+    if size is None or n <= size or any(a.shape[0] != n for a in every):
         return arrays
     pick = torch.randperm(n, generator=gen)[:size].sort().values.numpy()
     return tuple([np.asarray(a)[pick] if np.ndim(a) > 0 and np.asarray(a).shape[0] == n else a for a in group]

@@ -108,7 +108,7 @@ def gather(attrs: NodeAttrs, inputs: list):
     axis = attrs.get("axis", 0) % x.dim()
     index = _positive(index, x.shape[axis])
     out = x.index_select(axis, index.reshape(-1))
-    return out.reshape(*x.shape[:axis], *index.shape, *x.shape[axis + 1:])
+    return out.reshape((*x.shape[:axis], *index.shape, *x.shape[axis + 1:]))  # a tuple: () for a scalar result
 
 
 @op("GatherElements")

@@ -36,7 +36,7 @@ from oq.saturation.runtime import capture
 from oq.spec import quantize_array
 from oq.spill import SpillStore
 
-from .reconstruct import _grid_values, _nearest_range
+from .reconstruct import _grid_values, _nearest_range, capped_batches
 
 DEFAULTS = {"brecq": dict(drop=0.0), "qdrop": dict(drop=0.5)}
 
@@ -156,19 +156,10 @@ class BlockReconstruction(Pass):
         produced = {t for b in blocks for t in b.outputs} | {t.name for b in blocks for n in b.nodes
                                                             for t in n.outputs}
         names = list(dict.fromkeys(n for b in blocks for n in b.inputs if n not in produced))
-        used, chunks = 0, 0
-
-        def feeds():
-            nonlocal used
-            for count, feed in self.data.batches(self.chunk):
-                take = min(count, self.max_samples - used)
-                if take <= 0:
-                    return
-                used += take
-                yield feed if take == count else {k: v[:take] for k, v in feed.items()}
-
+        chunks = 0
+        feeds = (feed for _, feed in capped_batches(self.data, self.chunk, self.max_samples))
         try:
-            for values in capture(model, names, feeds()):
+            for values in capture(model, names, feeds):
                 for name in names:
                     store.put("fp:" + name, chunks, np.asarray(values[name]))
                 chunks += 1

@@ -205,19 +205,11 @@ class AdaRound(Pass):
             n = 0
         n = min(n or self.max_samples, self.max_samples)
         per_sample = max(1, -(-self.max_rows // n))
-        used = 0
         counts: list[int] = []
 
         def feeds():
-            nonlocal used
-            for count, feed in self.data.batches(self.batch_size):
-                take = min(count, self.max_samples - used)
-                if take <= 0:
-                    return
-                if take < count:
-                    feed = {k: v[:take] for k, v in feed.items()}
+            for take, feed in capped_batches(self.data, self.batch_size, self.max_samples):
                 counts.append(take)
-                used += take
                 yield feed
 
         first = 0
@@ -235,7 +227,18 @@ class AdaRound(Pass):
             where = getattr(self.data, "where", "calibration data")
             raise OqError(f"{where}: onnxruntime failed while collecting layer inputs for weight reconstruction: "
                           f"{str(exc).splitlines()[0][:300]}") from None
-        return used
+        return sum(counts)
+
+
+def capped_batches(data, batch_size: int, max_samples: int):
+    """(samples, feed) for the calibration batches, cut so that no more than max_samples samples come in all."""
+    used = 0
+    for count, feed in data.batches(batch_size):
+        take = min(count, max_samples - used)
+        if take <= 0:
+            return
+        used += take
+        yield take, (feed if take == count else {k: v[:take] for k, v in feed.items()})
 
 
 def _positions(total: int, count: int, first: int, per_sample: int, seed: int) -> np.ndarray:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..spec import QParams
-from .adaround import GAMMA, PAPER_ITERS, PAPER_LR, ZETA, initial_v, rectified_sigmoid
+from .adaround import GAMMA, ZETA, beta_at, effective_lr, initial_v, rectified_sigmoid
 from .fakequant import FakeQuantParams, fake_quantize
 
 _EPS = 1e-12
@@ -205,14 +205,6 @@ def output_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return err.sum(dim=dim).mean()
 
 
-def beta_at(step: int, s: Settings) -> float | None:
-    start = s.warmup * s.iters
-    if step < start:
-        return None
-    progress = (step - start) / max(s.iters - start, 1)
-    return s.beta[1] + (s.beta[0] - s.beta[1]) * max(0.0, 1.0 - progress)
-
-
 def _writable(a) -> np.ndarray:
     """A memory-mapped (read-only) array copied into memory; torch does not take read-only buffers."""
     a = np.asarray(a)
@@ -292,8 +284,7 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
     if not (v or s) or settings.iters <= 0:
         return BlockOutcome(loss_nearest, loss_nearest, False, False, n_val, 0, time.perf_counter() - start)
     saved = quant.snapshot(weight_keys, act_keys)
-    lr = settings.lr if settings.lr is not None else PAPER_LR * PAPER_ITERS / max(settings.iters, 1)
-    groups = [g for g in ({"params": v, "lr": lr}, {"params": s, "lr": settings.scale_lr}) if g["params"]]
+    groups = [g for g in ({"params": v, "lr": effective_lr(settings)}, {"params": s, "lr": settings.scale_lr}) if g["params"]]
     opt = torch.optim.Adam(groups)
     gen = torch.Generator().manual_seed(seed)
     quant.gen.manual_seed(seed)

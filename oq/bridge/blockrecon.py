@@ -22,6 +22,7 @@ from torch import nn
 
 from ..spec import QParams
 from .adaround import GAMMA, ZETA, beta_at, effective_lr, initial_v, rectified_sigmoid
+from .dropquant import coin, drop_quantize
 from .fakequant import FakeQuantParams, fake_quantize
 
 _EPS = 1e-12
@@ -87,7 +88,8 @@ class Quantizers(nn.Module):
             if p.learn:
                 self.v[f"w{i}"] = nn.Parameter(t(initial_v(ratio - floor)))
         self._v_name = {key: f"w{i}" for i, key in enumerate(weights) if weights[key].learn}
-        self._a: dict[str, tuple[FakeQuantParams, str]] = {}
+        self._a: dict[str, tuple[FakeQuantParams, str, str]] = {}
+        self._grid: dict[str, tuple[float, float]] = {}
         self.scale_params = nn.ParameterDict()
         for i, (key, qp) in enumerate(acts.items()):
             fq = FakeQuantParams.from_qparams(qp, device=device)
@@ -96,6 +98,9 @@ class Quantizers(nn.Module):
                 start = fq.log2_scale if method == "pot" else torch.log(fq.scale.clamp_min(_EPS))
                 self.scale_params[f"a{i}"] = nn.Parameter(start.clone())
             self._a[key] = (fq, method, f"a{i}")
+            if fq.axis is None and fq.scale.numel() == 1:  # per tensor: the fused path (oq.bridge.dropquant)
+                z = float(torch.round(fq.zero_point.reshape(())))
+                self._grid[key] = (fq.qmin - z, fq.qmax - z)
 
     # --- the two ops the block models call ------------------------------------------------------------------
     def weight(self, key: str, w: torch.Tensor) -> torch.Tensor:
@@ -114,6 +119,13 @@ class Quantizers(nn.Module):
             return x
         fq, method, name = self._a[key]
         learned = self.mode != "nearest" and self.learned_scales and name in self.scale_params
+        if key in self._grid:
+            dropped = coin(x.shape, self.drop, self.gen, x.device) if self.mode == "soft" and self.drop > 0 else None
+            if not learned:
+                p, kind = fq.scale, "fixed"
+            else:
+                p, kind = self.scale_params[name], ("log2" if method == "pot" else "log")
+            return drop_quantize(x, p, kind, *self._grid[key], dropped)
         if not learned:
             y = fake_quantize(x, fq.scale, fq.zero_point, fq.qmin, fq.qmax, fq.axis, fq.block_size, "ste")
         elif method == "pot":
@@ -123,7 +135,7 @@ class Quantizers(nn.Module):
             y = fake_quantize(x, torch.exp(self.scale_params[name]), fq.zero_point, fq.qmin, fq.qmax, fq.axis,
                               fq.block_size, "lsq", grad_scale=1.0)
         if self.mode == "soft" and self.drop > 0:
-            keep = torch.rand(x.shape, generator=self.gen, device=x.device) < self.drop
+            keep = coin(x.shape, self.drop, self.gen, x.device)
             y = torch.where(keep, x, y)
         return y
 
@@ -198,11 +210,12 @@ class Quantizers(nn.Module):
 def output_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Squared error summed over channels (dim 1 of a 4-D/5-D tensor, the last dim otherwise), averaged over the
     rest: the per-layer objective of AdaRound and BRECQ."""
-    err = (out.float() - target.float()).pow(2)
-    if err.dim() == 0:
-        return err
-    dim = 1 if err.dim() >= 4 else err.dim() - 1
-    return err.sum(dim=dim).mean()
+    out, target = out.float(), target.float()
+    if out.dim() == 0:
+        return (out - target).pow(2)
+    dim = 1 if out.dim() >= 4 else out.dim() - 1
+    # sum over dim, mean over the rest == mean over all times the size of dim; mse_loss is one fused pass
+    return torch.nn.functional.mse_loss(out, target) * out.shape[dim]
 
 
 def _writable(a) -> np.ndarray:
@@ -296,7 +309,7 @@ def train_block(module: nn.Module, quant: Quantizers, weight_keys: list[str], ac
         if settings.drop > 0:  # QDrop: each input value from the float or the quantized model, even odds
             for i, f in enumerate(tensors(fp_in)):
                 if torch.is_floating_point(f) and f.shape == x[i].shape:
-                    x[i] = torch.where(torch.rand(f.shape, generator=gen).to(device) < 0.5, f, x[i])
+                    x[i] = torch.where(coin(f.shape, 0.5, gen, device), f, x[i])
         loss = loss_on(x, tensors(targets))
         beta = beta_at(step, settings)
         if beta is not None:

@@ -1,12 +1,13 @@
 """Quantization-aware finetuning benchmark (printed numbers, never a timed test).
 
     python -m benchmarks.qat [--models resnet_mini mobilenet_mini] [--epochs 3] [--train 1024] [--test 512]
-                             [--batch 32] [--repeats 3] [--threads 1]
+                             [--batch 32] [--repeats 3] [--threads 1] [--bn-momentum 0.1] [--freeze-bn-epoch N]
 
 (a) Accuracy on a held-out split (make_labelled seed 2), evaluated in onnxruntime: the fp32 model, W4A4 on the
 academic target after post-training quantization (oq.quantize, calibrated on 64 training samples), and the same
 model after `--epochs` epochs of oq.finetune on `--train` labelled samples (seed 1000, the seed the reference models
-were trained with), Adam, cross-entropy.
+were trained with), Adam, cross-entropy: as oq quantized it (BatchNorm folded into the convolutions, "QAT"), and
+BN-aware (`float_model=`: each Conv + BatchNorm pair trained with batch statistics and folded again, "QAT BN").
 
 (b) Speed of one finetuning epoch (the same batches, Adam, cross-entropy) in three forms: oq's bridge (the ONNX graph
 interpreted by oq.bridge, what oq.finetune runs); the torch definition of the same network from `models/` with
@@ -133,7 +134,13 @@ def run(args) -> None:
             qat = oq.finetune(ptq, data, torch.nn.functional.cross_entropy, epochs=args.epochs, lr=args.lr,
                               scale_lr=args.scale_lr, progress=False)
             seconds = time.perf_counter() - start
-            results.append((name, *(_accuracy(m, x_te[inp], y_te, inp) for m in (path, ptq, qat)), seconds))
+            start = time.perf_counter()
+            qat_bn = oq.finetune(ptq, data, torch.nn.functional.cross_entropy, epochs=args.epochs, lr=args.lr,
+                                 scale_lr=args.scale_lr, progress=False, float_model=path,
+                                 bn_momentum=args.bn_momentum, freeze_bn_epoch=args.freeze_bn_epoch)
+            seconds_bn = time.perf_counter() - start
+            results.append((name, *(_accuracy(m, x_te[inp], y_te, inp) for m in (path, ptq, qat, qat_bn)), seconds,
+                            seconds_bn))
 
             n_fq = sum(n.op_type == "FakeQuant" for n in ptq.graph.node)
             act = float(np.median([onnx.numpy_helper.to_array(t) for t in ptq.graph.initializer
@@ -149,10 +156,10 @@ def run(args) -> None:
             speeds.append((name, med, n_fq, n_torch, len(data)))
 
     print(f"\n(a) held-out accuracy, W4A4 academic target, {args.epochs} epochs of oq.finetune (lr {args.lr}, "
-          f"scale_lr {args.scale_lr})")
-    print(f"{'model':<16}{'fp32':>8}{'PTQ':>8}{'QAT':>8}{'finetune s':>12}")
-    for name, fp, ptq_acc, qat_acc, seconds in results:
-        print(f"{name:<16}{fp:>8.3f}{ptq_acc:>8.3f}{qat_acc:>8.3f}{seconds:>12.1f}")
+          f"scale_lr {args.scale_lr}; QAT BN: bn_momentum {args.bn_momentum}, freeze_bn_epoch {args.freeze_bn_epoch})")
+    print(f"{'model':<16}{'fp32':>8}{'PTQ':>8}{'QAT':>8}{'QAT BN':>8}{'finetune s':>12}{'BN s':>8}")
+    for name, fp, ptq_acc, qat_acc, bn_acc, seconds, seconds_bn in results:
+        print(f"{name:<16}{fp:>8.3f}{ptq_acc:>8.3f}{qat_acc:>8.3f}{bn_acc:>8.3f}{seconds:>12.1f}{seconds_bn:>8.1f}")
     print(f"\n(b) one epoch, seconds (median of {args.repeats}); torch: the models/ definition, BatchNorm folded")
     print(f"{'model':<16}{'steps':>6}{'bridge':>9}{'torch fp32':>12}{'torch+FQ':>10}{'bridge/fp32':>13}"
           f"{'bridge/FQ':>11}{'FQ ops (onnx/torch)':>21}")
@@ -171,6 +178,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--scale-lr", type=float, default=1e-3)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--bn-momentum", type=float, default=0.1)
+    p.add_argument("--freeze-bn-epoch", type=int, default=None)
     # one: on a shared two-core machine, two torch threads spend most of a step waiting for each other
     p.add_argument("--threads", type=int, default=1)
     run(p.parse_args(argv))

@@ -22,8 +22,8 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch
 
 
 def finetune(model, train_data, loss, *, epochs: int = 1, lr: float = 1e-4, scale_lr: float = 1e-3,
-             learn_scales: bool = True, device="cpu", optimizer="adam", progress: bool | None = None
-             ) -> onnx.ModelProto:
+             learn_scales: bool = True, device="cpu", optimizer="adam", progress: bool | None = None,
+             float_model=None, bn_momentum: float = 0.1, freeze_bn_epoch: int | None = None) -> onnx.ModelProto:
     """Quantization-aware finetuning of an oq-quantized model (path or ModelProto); returns a new ModelProto.
 
     train_data: re-iterable (a list, a DataLoader) of (inputs, target); inputs is a tensor or array (one graph
@@ -33,10 +33,14 @@ def finetune(model, train_data, loss, *, epochs: int = 1, lr: float = 1e-4, scal
     "adamw", "sgd", or a callable taking torch parameter groups. progress: None shows a bar on a terminal only.
     The result has the input's graph, with the learned weights re-quantized to their codes, the learned scales, and
     the target's constraints kept: zero-points, powers of two, shared scales, int32 bias scales s_x * s_w.
+    float_model: the model (path or ModelProto) oq quantized, with its BatchNormalization; each Conv it follows
+    trains BN-aware (oq.bridge.qat_bn): batch statistics, running ones updated with `bn_momentum` (torch's
+    convention) until `freeze_bn_epoch` epochs have run (None: never), and folded again into the exported Conv.
     """
     _check_options(epochs, lr, scale_lr, loss)
+    _check_bn_options(bn_momentum, freeze_bn_epoch)
     dev = _device(device)
-    qm = QatModel(model).to(dev)
+    qm = QatModel(model, float_model=float_model, bn_momentum=float(bn_momentum)).to(dev)
     groups = [{"params": qm.weights(), "lr": float(lr)}]
     if learn_scales:
         groups.append({"params": qm.scales(), "lr": float(scale_lr)})
@@ -49,6 +53,8 @@ def finetune(model, train_data, loss, *, epochs: int = 1, lr: float = 1e-4, scal
     bar, steps, start, last = _bar(progress, epochs, train_data), 0, time.perf_counter(), torch.tensor(float("nan"))
     try:
         for epoch in range(epochs):
+            if freeze_bn_epoch is not None and epoch >= freeze_bn_epoch:
+                qm.freeze_bn()
             seen = 0
             for item in train_data:
                 inputs, target = _split(item, qm.plan.input_specs, dev)
@@ -71,6 +77,8 @@ def finetune(model, train_data, loss, *, epochs: int = 1, lr: float = 1e-4, scal
     qm.eval()
     record = {"epochs": epochs, "steps": steps, "lr": float(lr), "scale_lr": float(scale_lr) if learn_scales else 0.0,
               "optimizer": optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")}
+    if float_model is not None:
+        record.update(bn_aware=len(qm.bn_pairs), bn_momentum=float(bn_momentum), freeze_bn_epoch=freeze_bn_epoch)
     return qm.export({"oq.finetune": json.dumps(record, sort_keys=True)})
 
 
@@ -82,6 +90,14 @@ def _check_options(epochs, lr, scale_lr, loss) -> None:
             raise OqError(f"{name} must be a number >= 0, got {v!r}")
     if not callable(loss):
         raise OqError(f"loss must be a function loss(outputs, target) -> scalar tensor, got {type(loss).__name__}")
+
+
+def _check_bn_options(bn_momentum, freeze_bn_epoch) -> None:
+    if isinstance(bn_momentum, bool) or not isinstance(bn_momentum, (int, float)) or not 0 <= bn_momentum <= 1:
+        raise OqError(f"bn_momentum must be a number from 0 to 1, got {bn_momentum!r}")
+    if freeze_bn_epoch is not None and (isinstance(freeze_bn_epoch, bool) or not isinstance(freeze_bn_epoch, int)
+                                        or freeze_bn_epoch < 0):
+        raise OqError(f"freeze_bn_epoch must be None or a whole number >= 0, got {freeze_bn_epoch!r}")
 
 
 def _device(device) -> torch.device:

@@ -6,7 +6,8 @@ is one fake-quant op (domain oq.qat) with a straight-through round, and in front
 scale group and a BiasScale node per int32 bias scale, writing the tensor names the original initializers had.
 Everything the forward rounds is what onnxruntime computes on the exported model: the same float32 division,
 rounding half to even and clamps, and scales, weight codes and int32 bias codes written back from the tensors the
-forward used (so exporting with nothing learned gives the input model back, byte for byte).
+forward used (so exporting with nothing learned gives the input model back, byte for byte). Given the float model,
+Conv + BatchNormalization pairs train with batch statistics and fold back on export (oq.bridge.qat_bn).
 
 Scales (LSQ, Esser et al. 2020): the gradient of fake quantization with a straight-through round is LSQ's, r - x/s
 inside the grid and qmin - z or qmax - z outside. LSQ multiplies it by 1/sqrt(N qmax) to balance it against the
@@ -19,6 +20,7 @@ Zero-points never change.
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import numpy as np
 import onnx
@@ -27,7 +29,7 @@ from onnx import helper, numpy_helper
 import torch.nn.functional as F
 from torch import nn
 
-from . import dtypes, qat_graph
+from . import dtypes, qat_bn, qat_graph
 from .interpreter import to_torch
 from .ops_quant import broadcast_qparam, quant_grid, quant_type
 from .registry import NodeAttrs, OpDef, arg, builtin
@@ -165,8 +167,10 @@ OPS = {("", "QuantizeLinear"): OpDef(quantize_linear, _check_quantize), ("oq", "
        (DOMAIN, "BiasScale"): OpDef(bias_scale)}
 
 
-def training_model(model: onnx.ModelProto, p: qat_graph.Plan) -> onnx.ModelProto:
-    """The graph the bridge trains (see the module docstring); not meant for onnxruntime."""
+def training_model(model: onnx.ModelProto, p: qat_graph.Plan, bn: list | None = None,
+                   bn_momentum: float = 0.1) -> onnx.ModelProto:
+    """The graph the bridge trains (see the module docstring), with `bn`'s Conv + BatchNormalization pairs
+    unfolded (oq.bridge.qat_bn); not meant for onnxruntime."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -202,6 +206,9 @@ def training_model(model: onnx.ModelProto, p: qat_graph.Plan) -> onnx.ModelProto
             n = helper.make_node("FakeQuantize", [c.float_name, c.scale, c.zero_point or "", *c.bound_names],
                                  list(n.output), domain=DOMAIN, axis=c.axis, block_size=c.block_size, name=n.name)
         nodes.append(n)
+    if bn:
+        bn_front, nodes = qat_bn.rewrite(graph, nodes, bn, bn_momentum)
+        front.extend(bn_front)
     del graph.node[:]
     graph.node.extend(front + nodes)  # parameters first: everything else may read them
     out.opset_import.append(helper.make_opsetid(DOMAIN, 1))
@@ -212,9 +219,11 @@ class QatModel(nn.Module):
     """An oq-quantized model (ModelProto or path) as a trainable torch module; `export()` gives the ONNX model back
     with what it learned. `weights()`: the learned weights and biases; `scales()`: the scale parameters (log domain);
     `codes(*inputs)`: the QuantizeLinear codes of a forward, by the Q nodes' output names; `quantize(values)`: the
-    codes for given Q inputs."""
+    codes for given Q inputs. With `float_model` (the model before oq folded BatchNormalization), Conv +
+    BatchNormalization pairs train with batch statistics (oq.bridge.qat_bn, `bn_pairs`); `freeze_bn()` stops the
+    statistics for good, eval mode uses the running ones."""
 
-    def __init__(self, model: "onnx.ModelProto | str | os.PathLike"):
+    def __init__(self, model: "onnx.ModelProto | str | os.PathLike", float_model=None, bn_momentum: float = 0.1):
         super().__init__()
         if not isinstance(model, onnx.ModelProto):
             from ..ir import load_model
@@ -222,8 +231,20 @@ class QatModel(nn.Module):
         self.source = onnx.ModelProto()
         self.source.CopyFrom(model)  # the caller's model is never touched
         self.plan = qat_graph.plan(self.source)
-        self.module = to_torch(training_model(self.source, self.plan), ops=OPS)
+        self.bn_pairs = [] if float_model is None else qat_bn.pairs(self.source, self.plan, float_model)
+        self._bn_mode = qat_bn.BnMode()
+        ops = OPS
+        if self.bn_pairs:  # the mode is this module's own: train(), eval() and freeze_bn() set it
+            ops = {**OPS, (DOMAIN, "BnFold"): OpDef(qat_bn.bn_fold),
+                   (DOMAIN, "BnApply"): OpDef(partial(qat_bn.bn_apply, self._bn_mode))}
+        self.module = to_torch(training_model(self.source, self.plan, self.bn_pairs, bn_momentum), ops=ops)
+        for name in (b.name(k) for b in self.bn_pairs for k in ("mean", "var")):  # running statistics: buffers
+            attr = self.module.attribute_name(name)
+            value = getattr(self.module, attr).detach()
+            delattr(self.module, attr)
+            self.module.register_buffer(attr, value)
         learned = set(self.plan.trainable) | {c.float_name for c in self.plan.int_consts}
+        learned |= {b.name(k) for b in self.bn_pairs for k in qat_bn.LEARNED}
         self._scale_names = [s.log_name for s in self.plan.groups]
         for name, param in self.module.initializer_parameters().items():
             param.requires_grad_(name in learned or name in self._scale_names)
@@ -238,6 +259,24 @@ class QatModel(nn.Module):
 
     def forward(self, *inputs):
         return self.module(*inputs)
+
+    def train(self, mode: bool = True) -> "QatModel":
+        super().train(mode)
+        self._bn_mode.live = bool(mode) and not self._bn_mode.frozen
+        return self
+
+    def freeze_bn(self) -> None:
+        """From now on BatchNormalization uses (and keeps) its running statistics, also in training mode."""
+        self._bn_mode.frozen, self._bn_mode.live = True, False
+
+    def _folded(self) -> dict[str, torch.Tensor]:
+        """The tensors BnFold writes (folded weights and biases), from the current parameters."""
+        out = {}
+        for b in self.bn_pairs:
+            w, bias, _ = qat_bn.bn_fold(NodeAttrs({"epsilon": b.eps}, op_type="BnFold"),
+                                        [self.module.tensor_for(n) for n in b.names])
+            out[b.weight], out[b.bias] = w, bias
+        return out
 
     def _value(self, name: str, cache: dict) -> torch.Tensor:
         """A scale of the training graph, as its forward computes it."""
@@ -279,14 +318,15 @@ class QatModel(nn.Module):
     @torch.no_grad()
     def learned_values(self) -> dict[str, np.ndarray]:
         """Initializer name (of the original model) -> value to write: scales, codes, weights."""
-        p, m, cache = self.plan, self.module, {}
+        p, m, cache, folded = self.plan, self.module, {}, self._folded()
+        value = lambda name: folded[name] if name in folded else m.tensor_for(name)
         out = {name: self._value(name, cache) for g in p.groups for name in g.members}
         out.update({name: self._value(name, cache) for name in p.bias_scales})
         for c in p.int_consts:
             bounds = [m.tensor_for(b) for b in c.bound_names]
-            out[c.name] = self._codes(m.tensor_for(c.float_name), c.scale, c.zero_point, c.axis, c.block_size,
+            out[c.name] = self._codes(value(c.float_name), c.scale, c.zero_point, c.axis, c.block_size,
                                       bounds, cache).to(torch.int64)
-        out.update({name: m.tensor_for(name).float() for name in p.trainable})
+        out.update({name: value(name).float() for name in p.trainable})
         return {k: v.detach().cpu().numpy() for k, v in out.items()}
 
     def export(self, metadata: dict[str, str] | None = None) -> onnx.ModelProto:

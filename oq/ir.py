@@ -129,6 +129,9 @@ def _copy(model: onnx.ModelProto) -> onnx.ModelProto:
 def to_graph(model: onnx.ModelProto) -> gs.Graph:
     graph = gs.import_onnx(model)
     graph.ir_version = model.ir_version
+    # gs keeps the model's own opset list and adds the domains of new nodes to it on export: the caller's
+    # ModelProto would change
+    graph.import_domains = [onnx.helper.make_opsetid(i.domain, i.version) for i in model.opset_import]
     return graph
 
 

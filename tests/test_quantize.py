@@ -215,3 +215,14 @@ def test_output_says_who_made_it_for_which_target(quantized):
     model = quantized("mlp", "tensorrt").model
     assert model.producer_name == "oq"
     assert {p.key: p.value for p in model.metadata_props}["oq.target"] == "tensorrt"
+
+
+@pytest.mark.parametrize("target,bits", [("tensorrt", None), ("academic", 4)])
+def test_a_model_proto_passed_in_is_left_as_it_was(model_paths, calib_files, target, bits):
+    proto = onnx.load(str(model_paths["resnet_mini"]))
+    before = proto.SerializeToString()
+    result = oq.quantize(proto, target, calib_files["resnet_mini"][0], weight_bits=bits, progress=False)
+    assert proto.SerializeToString() == before
+    if bits == 4:  # the output does gain oq's domain (4-bit FakeQuant functions), the input does not
+        assert any(i.domain == "oq" for i in result.model.opset_import)
+        assert not any(i.domain == "oq" for i in proto.opset_import)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -136,10 +138,22 @@ class NpzStack(CalibrationData):
     for models whose batch size is fixed."""
 
     def __init__(self, path: Path, specs: list[InputSpec], limit: int | None = None):
-        super().__init__(str(path), specs, limit)
         with _open_npz(path) as npz:
             _check_names(str(path), specs, npz.files)
             arrays = {spec.name: _npz_member(path, npz, spec.name) for spec in specs}
+        self._take(str(path), arrays, specs, limit)
+
+    @classmethod
+    def from_arrays(cls, arrays, specs: list[InputSpec], limit: int | None = None) -> "NpzStack":
+        """The same layout from a dict of arrays in memory (the Python API's calib={"input": array})."""
+        where = "calibration arrays"
+        _check_names(where, specs, list(arrays))
+        self = cls.__new__(cls)
+        self._take(where, {spec.name: np.asarray(arrays[spec.name]) for spec in specs}, specs, limit)
+        return self
+
+    def _take(self, path: str, arrays: dict, specs: list[InputSpec], limit: int | None) -> None:
+        super().__init__(path, specs, limit)
         counts = set()
         self.arrays: dict[str, np.ndarray] = {}
         self.whole_feeds: set[str] = set()
@@ -342,10 +356,20 @@ def open_calibration(calib, specs: list[InputSpec], limit: int | None = None,
         return calib
     if limit is not None and limit < 1:
         raise OqError(f"--calib-size must be >= 1, got {limit}")
+    if isinstance(calib, Mapping):
+        no_preprocess(preprocess, "arrays in memory")
+        return NpzStack.from_arrays(calib, specs, limit)
+    if isinstance(calib, (list, tuple)):
+        no_preprocess(preprocess, "a list of feeds")
+        feeds = list(calib)
+        return CallableSource(lambda: feeds, "calibration list", specs, limit if limit is not None else len(feeds))
     if callable(calib):
         name = getattr(calib, "__name__", "callable")
         no_preprocess(preprocess, f"the function {name}")
         return CallableSource(calib, name, specs, limit)
+    if not isinstance(calib, (str, os.PathLike)):
+        raise OqError(f"calibration data must be a path (.npz, folder), 'module:function', 'random', a dict of input "
+                      f"name -> stacked samples, a list of feed dicts, or a function; got {type(calib).__name__}")
     text = str(calib)
     if text == "random":
         no_preprocess(preprocess, "random noise")

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from pathlib import Path
+
+import numpy as np
 
 from .config import RunConfig
 
@@ -33,6 +36,14 @@ def calibration_hash(calib, files: list[Path]) -> str:
             with open(path, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     h.update(chunk)
+        return h.hexdigest()[:16]
+    feeds = [calib] if isinstance(calib, Mapping) else calib if isinstance(calib, (list, tuple)) else None
+    if feeds is not None and all(isinstance(f, Mapping) for f in feeds):  # arrays in memory: names, shapes, bytes
+        for feed in feeds:
+            for key in sorted(feed):
+                a = np.ascontiguousarray(feed[key])
+                h.update(f"{key}\0{a.dtype.str}\0{a.shape}\0".encode())
+                h.update(a.tobytes())
         return h.hexdigest()[:16]
     name = calib if isinstance(calib, str) else getattr(calib, "__qualname__", None) or type(calib).__name__
     return f"not hashed ({name})"

@@ -142,3 +142,33 @@ def test_calibration_memory_does_not_grow_with_samples(model_paths):
         peaks.append(tracemalloc.get_traced_memory()[1])
         tracemalloc.stop()
     assert peaks[1] < 1.1 * peaks[0], peaks
+
+
+def test_arrays_in_memory_quantize_exactly_as_the_same_npz(cnn, tmp_path):
+    path, specs = cnn
+    x = np.random.default_rng(3).random((10, *[d if isinstance(d, int) else 1 for d in specs[0].shape[1:]]),
+                                        dtype=np.float32)
+    npz = tmp_path / "c.npz"
+    np.savez(npz, **{specs[0].name: x})
+    results = [oq.quantize(path, "tensorrt", calib, progress=False) for calib in
+               (str(npz), {specs[0].name: x}, [{specs[0].name: x[i:i + 1]} for i in range(10)])]
+    weights = [{t.name: onnx.numpy_helper.to_array(t) for t in r.model.graph.initializer} for r in results]
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys()
+        assert all(np.array_equal(other[k], weights[0][k]) for k in other)
+    assert all(r.report.calibration["samples"] == 10 for r in results)
+    meta = [{p.key: p.value for p in r.model.metadata_props}["oq.calibration_sha256"] for r in results]
+    assert "not hashed" not in meta[1] and "not hashed" not in meta[2]
+    changed = {specs[0].name: x + 1}
+    assert {p.key: p.value for p in oq.quantize(path, "tensorrt", changed, progress=False).model.metadata_props}[
+        "oq.calibration_sha256"] != meta[1]
+
+
+def test_in_memory_calibration_errors_are_one_line(cnn):
+    path, specs = cnn
+    with pytest.raises(OqError, match="calibration arrays has no array for input 'input'; it has: 'wrong'"):
+        oq.quantize(path, "tensorrt", {"wrong": np.zeros((2, 3, 32, 32), np.float32)})
+    with pytest.raises(OqError, match="calibration data must be a path .* got list_iterator"):
+        oq.quantize(path, "tensorrt", iter([{"input": np.zeros((1, 3, 32, 32), np.float32)}]))
+    with pytest.raises(OqError, match="calibration list sample 1"):
+        oq.quantize(path, "tensorrt", [{"input": np.zeros((1, 3, 32, 32), np.float32)}, {"x": 1}])

@@ -42,3 +42,13 @@ def sqnr_db(ref, x):
     ref = np.asarray(ref, np.float64)
     noise = ((ref - np.asarray(x, np.float64)) ** 2).sum()
     return float("inf") if noise == 0 else float(10 * np.log10((ref ** 2).sum() / noise))
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread: two threads on a busy two-core machine spend most of a step waiting for each other."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -23,13 +23,7 @@ from oq.bridge.qat_module import QatModel, _FakeQuant
 NAME = "resnet_mini"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # two threads on a busy two-core machine spend most of a step waiting for each other
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,7 @@ from oq.bridge.qat_module import QatModel
 EPS = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def float_model(seed: int = 0, bn: bool = True) -> onnx.ModelProto:

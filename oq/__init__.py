@@ -17,6 +17,14 @@ def finetune(model, train_data, loss, **options):
     return run_finetune(model, train_data, loss, **options)
 
 
-__all__ = ["quantize", "run", "prepare", "finetune", "RunConfig", "QuantResult", "OqError", "InternalError",
+def analyze(model, target="tensorrt", calib=None, eval=None, **options):
+    """Quantize as oq.quantize would, then measure which quantized tensors and nodes cost accuracy; returns an
+    oq.analysis.Analysis. See oq.analysis.run.analyze for the options."""
+    from .analysis import analyze as run_analyze  # imported on use: `import oq` stays light
+
+    return run_analyze(model, target, calib, eval, **options)
+
+
+__all__ = ["quantize", "run", "prepare", "finetune", "analyze", "RunConfig", "QuantResult", "OqError", "InternalError",
            "load_target", "register_observer"]
 __version__ = "0.1.0"

@@ -6,9 +6,52 @@ import signal
 import sys
 import threading
 import traceback
+from pathlib import Path
 
 from .config import CPU_CHOICES, RunConfig
 from .errors import InternalError, OqError
+
+
+def _quantize_options(p: argparse.ArgumentParser) -> None:
+    """The options that shape a quantization, shared by `oq run` and `oq analyze`."""
+    p.add_argument("--target", "-t", default="tensorrt", help="built-in target name or a target .toml file")
+    p.add_argument("--calib", "-c", required=True,
+                   help=".npz of stacked samples, a folder of .npz feeds or of images, module:function, or random")
+    p.add_argument("--preprocess", help="for image folders: resize=256,crop=224,scale=1/255,"
+                   "mean=0.485/0.456/0.406,std=0.229/0.224/0.225,order=rgb,layout=nchw")
+    p.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
+    p.add_argument("--calib-size", type=int, help="use at most this many calibration samples")
+    p.add_argument("--calib-method", metavar="METHOD",
+                   help="observer for activations: minmax, ema, percentile, entropy, mse, or one registered by a "
+                        "--plugin (default: the target's)")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first (it may register observers with oq.register_observer); repeatable")
+    p.add_argument("--percentile", type=float, help="for --calib-method percentile (default 99.99)")
+    p.add_argument("--max-memory", type=float, metavar="MB",
+                   help="bound on observed activations held per batch; more passes over the data if needed")
+    p.add_argument("--exclude", action="append", default=[],
+                   help="keep nodes in float: node name, op type or regex over node names (repeatable)")
+    p.add_argument("--weight-bits", type=int, metavar="N", help="N-bit weights (2..16)")
+    p.add_argument("--act-bits", type=int, metavar="N", help="N-bit activations (2..16)")
+    p.add_argument("--override", action="append", default=[], metavar="NODE_OR_OP=SPEC",
+                   help="change the spec on some nodes, e.g. Conv=weight.granularity:per_tensor or "
+                        "head=dtype:uint8,symmetric:false (repeatable)")
+    p.add_argument("--cpu", choices=CPU_CHOICES, default="auto",
+                   help="deployment CPU for the onnxruntime target: without VNNI (avx2, avx512) weight channels "
+                        "whose int16 product pairs saturate get coarser scales (down to 7 bits); a model made for "
+                        "avx2 is safe everywhere (default: auto, this machine)")
+    p.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="cross-layer equalization before quantizing (default: as the target says; on for vitis and "
+                        "qnn, whose weights are per tensor)")
+    p.add_argument("--algo", metavar="ALGO",
+                   help="weight rounding: rtn (round to nearest, default); adaround (learned per layer), brecq "
+                        "(learned per block, with activation steps), qdrop (brecq with random dropping of "
+                        "activation quantization); learned from the calibration data, needs torch: "
+                        "pip install 'oq-quant[torch]'")
+    p.add_argument("--device", default="cpu", help="where --algo adaround/brecq/qdrop runs: cpu (default) or cuda")
+    p.add_argument("--algo-iters", type=int, metavar="N",
+                   help="--algo: optimisation steps per layer (adaround, default 1000) or per block (brecq, "
+                        "qdrop, default 500)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -18,49 +61,26 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="quantize a model for a target")
     run.add_argument("model", help="input .onnx model (never modified)")
-    run.add_argument("--target", "-t", default="tensorrt", help="built-in target name or a target .toml file")
-    run.add_argument("--calib", "-c", required=True,
-                     help=".npz of stacked samples, a folder of .npz feeds or of images, module:function, or random")
-    run.add_argument("--preprocess", help="for image folders: resize=256,crop=224,scale=1/255,"
-                     "mean=0.485/0.456/0.406,std=0.229/0.224/0.225,order=rgb,layout=nchw")
+    _quantize_options(run)
     run.add_argument("-o", "--output", required=True, help="output .onnx (written atomically)")
     run.add_argument("--report", help="also write the run report as JSON here")
-    run.add_argument("--batch-size", type=int, default=16, help="samples per onnxruntime call (default 16)")
-    run.add_argument("--calib-size", type=int, help="use at most this many calibration samples")
-    run.add_argument("--calib-method", metavar="METHOD",
-                     help="observer for activations: minmax, ema, percentile, entropy, mse, or one registered by a "
-                          "--plugin (default: the target's)")
-    run.add_argument("--plugin", action="append", default=[], metavar="MODULE",
-                     help="import MODULE first (it may register observers with oq.register_observer); repeatable")
-    run.add_argument("--percentile", type=float, help="for --calib-method percentile (default 99.99)")
-    run.add_argument("--max-memory", type=float, metavar="MB",
-                     help="bound on observed activations held per batch; more passes over the data if needed")
-    run.add_argument("--exclude", action="append", default=[],
-                     help="keep nodes in float: node name, op type or regex over node names (repeatable)")
     run.add_argument("--format", choices=["qdq", "qoperator"], default="qdq",
                      help="qoperator: QLinearConv/QLinearMatMul... as onnxruntime fuses them (onnxruntime target)")
-    run.add_argument("--weight-bits", type=int, metavar="N", help="N-bit weights (2..16)")
-    run.add_argument("--act-bits", type=int, metavar="N", help="N-bit activations (2..16)")
-    run.add_argument("--override", action="append", default=[], metavar="NODE_OR_OP=SPEC",
-                     help="change the spec on some nodes, e.g. Conv=weight.granularity:per_tensor or "
-                          "head=dtype:uint8,symmetric:false (repeatable)")
-    run.add_argument("--cpu", choices=CPU_CHOICES, default="auto",
-                     help="deployment CPU for the onnxruntime target: without VNNI (avx2, avx512) weight channels "
-                          "whose int16 product pairs saturate get coarser scales (down to 7 bits); a model made for "
-                          "avx2 is safe everywhere (default: auto, this machine)")
-    run.add_argument("--equalize", action=argparse.BooleanOptionalAction, default=None,
-                     help="cross-layer equalization before quantizing (default: as the target says; on for vitis and "
-                          "qnn, whose weights are per tensor)")
-    run.add_argument("--algo", metavar="ALGO",
-                     help="weight rounding: rtn (round to nearest, default); adaround (learned per layer), brecq "
-                          "(learned per block, with activation steps), qdrop (brecq with random dropping of "
-                          "activation quantization); learned from the calibration data, needs torch: "
-                          "pip install 'oq-quant[torch]'")
-    run.add_argument("--device", default="cpu", help="where --algo adaround/brecq/qdrop runs: cpu (default) or cuda")
-    run.add_argument("--algo-iters", type=int, metavar="N",
-                     help="--algo: optimisation steps per layer (adaround, default 1000) or per block (brecq, "
-                          "qdrop, default 500)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
+
+    an = sub.add_parser("analyze", help="quantize as `oq run` would, then rank the tensors and nodes by the error "
+                                         "they cause")
+    an.add_argument("model", help="input .onnx model (never modified)")
+    _quantize_options(an)
+    an.add_argument("--eval", help="evaluation data, in the forms --calib takes (default: the calibration samples)")
+    an.add_argument("--eval-size", type=int, metavar="N", help="use at most N evaluation samples")
+    an.add_argument("-o", "--output", help="write the HTML report here (needs matplotlib)")
+    an.add_argument("--json", help="write the numbers as JSON here")
+    an.add_argument("--top", type=int, default=20, metavar="N", help="nodes listed in the summary (default 20)")
+    an.add_argument("--no-layerwise", dest="layerwise", action="store_false",
+                    help="skip the per-node runs (one model run per quantized node)")
+    an.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    an.set_defaults(format="qdq")
 
     tg = sub.add_parser("targets", help="list built-in targets, or show one")
     tg.add_argument("action", nargs="?", choices=["show"])
@@ -97,6 +117,36 @@ def _run(args) -> int:
     if not args.quiet:
         print(result.report.format_table())
         print(f"\nwrote {args.output}")
+    return 0
+
+
+def _analyze(args) -> int:
+    from .analysis.files import check_outputs, write_outputs
+    from .analysis.plots import pyplot
+    from .analysis.run import analyze_config
+    from .outputs import calibration_files
+
+    if args.top < 1:
+        raise OqError(f"--top must be >= 1, got {args.top}")
+    if args.output:
+        pyplot()  # before any work: the HTML report cannot be made without matplotlib
+    config = _config(args)
+    # checked before any work: the model, calibration and evaluation files are never written over
+    reports = {"HTML report (-o)": args.output, "JSON report (--json)": args.json}
+    inputs = [Path(args.model)] + calibration_files(args.calib) + calibration_files(args.eval)
+    check_outputs(reports, inputs)
+    analysis = analyze_config(args.model, config, args.eval, layerwise=args.layerwise, eval_size=args.eval_size)
+    if args.interrupted:
+        raise KeyboardInterrupt
+    files = {}
+    if args.output:
+        files[args.output] = analysis.to_html_text().encode()
+    if args.json:
+        files[args.json] = analysis.to_json_text().encode()
+    write_outputs(files)
+    print(analysis.summary(args.top))
+    for path in files:
+        print(f"wrote {path}")
     return 0
 
 
@@ -153,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     previous_handler = _watch_interrupts(args)
     try:
-        status = {"run": _run, "targets": _targets, "inspect": _inspect}[args.command](args)
+        status = {"run": _run, "analyze": _analyze, "targets": _targets, "inspect": _inspect}[args.command](args)
         if args.interrupted:
             raise KeyboardInterrupt
         return status

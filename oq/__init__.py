@@ -25,6 +25,15 @@ def analyze(model, target="tensorrt", calib=None, eval=None, **options):
     return run_analyze(model, target, calib, eval, **options)
 
 
-__all__ = ["quantize", "run", "prepare", "finetune", "analyze", "RunConfig", "QuantResult", "OqError", "InternalError",
-           "load_target", "register_observer"]
+def quantize_to_goal(model, min_sqnr, target="tensorrt", calib=None, **options):
+    """oq.quantize keeping in float the fewest nodes that bring the model output SQNR against fp32 to `min_sqnr` dB
+    (`oq run --min-sqnr`); returns the QuantResult, its report.goal saying what was kept in float and why. See
+    oq.analysis.fallback.quantize_to_goal for the options (eval, state, max_pruning, output)."""
+    from .analysis.fallback import quantize_to_goal as run_to_goal  # imported on use: `import oq` stays light
+
+    return run_to_goal(model, min_sqnr, target, calib, **options)
+
+
+__all__ = ["quantize", "quantize_to_goal", "run", "prepare", "finetune", "analyze", "RunConfig", "QuantResult",
+           "OqError", "InternalError", "load_target", "register_observer"]
 __version__ = "0.1.0"

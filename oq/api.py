@@ -140,7 +140,8 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
              preprocess: str | None = None, max_memory_mb: float | None = None, percentile: float | None = None,
              cpu: str = "auto", export_format: str = "qdq", equalize: bool | None = None, plugins=(),
              pipeline: str = RunConfig.pipeline, algo: str | None = None, device: str = "cpu",
-             algo_iters: int | None = None, output: "str | os.PathLike | None" = None) -> QuantResult:
+             algo_iters: int | None = None, smoothquant_alpha: float | None = None,
+             output: "str | os.PathLike | None" = None) -> QuantResult:
     """Quantize an ONNX model (path or ModelProto) for `target` with calibration data `calib`.
 
     calib: an .npz of stacked samples keyed by input name; a folder of .npz feeds (one complete feed each, shapes
@@ -156,7 +157,8 @@ def quantize(model, target: "str | Target" = "tensorrt", calib=None, *, batch_si
     progress: None shows a bar only when stderr is a terminal. plugins: modules to import first (they may register
     observers). pipeline: the module providing the pass lists. algo: weight rounding, None or "rtn" (to nearest) or
     "adaround" (learned per weight from the calibration data; needs torch), run on `device` ("cpu" or "cuda") for
-    `algo_iters` steps per layer (default 1000). Every keyword is a field of oq.RunConfig, validated before any work.
+    `algo_iters` steps per layer (default 1000); "smoothquant" and "bias-correction" combine with any of them, joined
+    by "+" or "," (smoothquant_alpha: its fixed alpha, None searches it). Every keyword is a field of oq.RunConfig, validated before any work.
     Returns QuantResult(model, report, target, side_files); with `output`, the model is also written there atomically.
     """
     options = dict(locals())

@@ -47,11 +47,15 @@ def _quantize_options(p: argparse.ArgumentParser) -> None:
                    help="weight rounding: rtn (round to nearest, default); adaround (learned per layer), brecq "
                         "(learned per block, with activation steps), qdrop (brecq with random dropping of "
                         "activation quantization); learned from the calibration data, needs torch: "
-                        "pip install 'oq-quant[torch]'")
+                        "pip install 'oq-quant[torch]'. Combine with smoothquant and bias-correction using '+', "
+                        "e.g. smoothquant+qdrop+bias-correction")
     p.add_argument("--device", default="cpu", help="where --algo adaround/brecq/qdrop runs: cpu (default) or cuda")
     p.add_argument("--algo-iters", type=int, metavar="N",
                    help="--algo: optimisation steps per layer (adaround, default 1000) or per block (brecq, "
                         "qdrop, default 500)")
+    p.add_argument("--smoothquant-alpha", type=float, metavar="A",
+                   help="--algo smoothquant: migration strength, 0 < A < 1 (default: searched per layer over "
+                        "0.3..0.8)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,6 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--format", choices=["qdq", "qoperator"], default="qdq",
                      help="qoperator: QLinearConv/QLinearMatMul... as onnxruntime fuses them (onnxruntime target)")
     run.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no report table")
+    run.add_argument("--min-sqnr", metavar="DB",
+                     help="accuracy goal: keep in float the fewest nodes (ranked by oq analyze's layerwise numbers) "
+                          "that bring the model output SQNR against fp32 to DB")
+    run.add_argument("--eval", help="with --min-sqnr: data to measure on, in the forms --calib takes (default: the "
+                                    "last quarter of the calibration samples, then not calibrated on)")
+    run.add_argument("--eval-size", type=int, metavar="N", help="with --eval: use at most N evaluation samples")
+    run.add_argument("--state", metavar="FILE",
+                     help="with --min-sqnr: JSON file keeping the search's results, updated after each evaluation; "
+                          "a rerun with it resumes without measuring again")
+    run.add_argument("--prune-evals", type=int, default=8, metavar="K",
+                     help="with --min-sqnr: at most K evaluations trying to put float nodes back (default 8)")
 
     an = sub.add_parser("analyze", help="quantize as `oq run` would, then rank the tensors and nodes by the error "
                                          "they cause")
@@ -101,12 +116,18 @@ def _config(args) -> RunConfig:
                      preprocess=args.preprocess, exclude=args.exclude, overrides=args.override,
                      weight_bits=args.weight_bits, act_bits=args.act_bits, cpu=args.cpu, equalize=args.equalize,
                      export_format=args.format, progress=False if args.quiet else None, plugins=args.plugin,
-                     algo=args.algo, device=args.device, algo_iters=args.algo_iters)
+                     algo=args.algo, device=args.device, algo_iters=args.algo_iters,
+                     smoothquant_alpha=args.smoothquant_alpha)
 
 
 def _run(args) -> int:
     from .api import run
 
+    if args.min_sqnr is not None:
+        return _run_to_goal(args)
+    for flag, value in (("--eval", args.eval), ("--eval-size", args.eval_size), ("--state", args.state)):
+        if value is not None:
+            raise OqError(f"{flag} goes with --min-sqnr")
     # every output path is checked before any work: a run never fails after writing, nor writes over an input
     result = run(args.model, _config(args), output=args.output, report=args.report)
     if args.interrupted:  # a Ctrl-C that Python swallowed (e.g. inside a weakref callback): write nothing
@@ -117,6 +138,25 @@ def _run(args) -> int:
     if not args.quiet:
         print(result.report.format_table())
         print(f"\nwrote {args.output}")
+    return 0
+
+
+def _run_to_goal(args) -> int:
+    from .analysis.fallback import check_goal, goal_config
+
+    goal = check_goal(args.min_sqnr, "--min-sqnr")
+    # checked before any work, as `oq run` does: the outputs, the state file, and the goal itself
+    result = goal_config(args.model, _config(args), goal, args.eval, eval_size=args.eval_size, state=args.state,
+                         max_pruning=args.prune_evals, output=args.output, report=args.report)
+    if args.interrupted:
+        raise KeyboardInterrupt
+    result.save(args.output, report=args.report)
+    for warning in result.report.warnings:
+        print(f"oq: warning: {warning}", file=sys.stderr)
+    if not args.quiet:
+        print(result.report.format_table() + "\n")
+    print(result.report.goal.summary())
+    print(f"\nwrote {args.output}")
     return 0
 
 

@@ -14,10 +14,15 @@ from .errors import OqError
 
 CPU_CHOICES = ("auto", "vnni", "avx2", "avx512", "arm64")
 EXPORT_FORMATS = ("qdq", "qoperator")
-# weight rounding: None or "rtn" round to nearest; "adaround" learns up/down per weight, "brecq" and "qdrop" per
-# block with activation steps, from calibration data (torch)
-ALGO_CHOICES = ("rtn", "adaround", "brecq", "qdrop")
+# weight rounding (one at most): None or "rtn" round to nearest; "adaround" learns up/down per weight, "brecq" and
+# "qdrop" per block with activation steps, from calibration data (torch)
+ROUNDING_ALGOS = ("rtn", "adaround", "brecq", "qdrop")
+# combinable with any rounding (numpy and onnxruntime only): smoothquant before calibration, bias-correction after
+# the weights are final
+EXTRA_ALGOS = ("smoothquant", "bias-correction")
+ALGO_CHOICES = ROUNDING_ALGOS + EXTRA_ALGOS
 TORCH_ALGOS = ("adaround", "brecq", "qdrop")
+ALGO_SEPARATORS = re.compile(r"[+,]")
 DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 # keyword -> command-line flag, so one message serves both entry points
@@ -26,7 +31,7 @@ FLAGS = {"target": "--target", "calib": "--calib", "batch_size": "--batch-size",
          "preprocess": "--preprocess", "exclude": "--exclude", "overrides": "--override",
          "weight_bits": "--weight-bits", "act_bits": "--act-bits", "cpu": "--cpu", "equalize": "--equalize",
          "export_format": "--format", "progress": "--quiet", "plugins": "--plugin", "algo": "--algo",
-         "device": "--device", "algo_iters": "--algo-iters"}
+         "device": "--device", "algo_iters": "--algo-iters", "smoothquant_alpha": "--smoothquant-alpha"}
 
 
 def option_error(name: str, problem: str) -> OqError:
@@ -63,6 +68,8 @@ class RunConfig:
     algo: str | None = None
     device: str = "cpu"  # where torch runs the reconstruction: "cpu" or "cuda"
     algo_iters: int | None = None  # optimisation steps per layer or block; None: the algorithm's default
+    # SmoothQuant's migration strength (0 < alpha < 1); None: searched per layer on the calibration data
+    smoothquant_alpha: float | None = None
 
     def __post_init__(self):
         for name in ("exclude", "overrides", "plugins"):
@@ -123,19 +130,36 @@ class RunConfig:
                                    f"from the CLI through --plugin MODULE)")
 
     def _validate_algo(self) -> None:
-        if self.algo is not None and self.algo not in ALGO_CHOICES:
-            raise option_error("algo", f"unknown algorithm {self.algo!r}; choose {', '.join(ALGO_CHOICES)}")
+        algos = parse_algo(self.algo)
         if not isinstance(self.device, str) or not DEVICE_RE.fullmatch(self.device):
             raise option_error("device", f"unknown device {self.device!r}; choose cpu or cuda")
-        if self.algo not in TORCH_ALGOS:
+        alpha = self.smoothquant_alpha
+        if alpha is not None:
+            if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+                raise option_error("smoothquant_alpha", f"must be a number between 0 and 1 (exclusive), got "
+                                   f"{alpha!r}")
+            if "smoothquant" not in algos:
+                raise option_error("smoothquant_alpha", "applies to --algo smoothquant only")
+        rounding = self.rounding_algo
+        if rounding not in TORCH_ALGOS:
             return  # torch is neither needed nor imported
         try:
             import torch
         except ImportError:
-            raise option_error("algo", f"{self.algo} needs torch: pip install 'oq-quant[torch]'") from None
+            raise option_error("algo", f"{rounding} needs torch: pip install 'oq-quant[torch]'") from None
         if self.device != "cpu" and not torch.cuda.is_available():
             raise option_error("device", f"{self.device} asked for but torch sees no CUDA device (torch "
                                f"{torch.__version__}); use --device cpu")
+
+    @property
+    def algos(self) -> tuple[str, ...]:
+        """The --algo names, each once, in the order given ("rtn" included when named)."""
+        return parse_algo(self.algo)
+
+    @property
+    def rounding_algo(self) -> str | None:
+        """The weight-rounding algorithm asked for (adaround, brecq, qdrop), None for round to nearest."""
+        return next((a for a in self.algos if a in TORCH_ALGOS), None)
 
     @property
     def parsed_overrides(self) -> list:
@@ -162,8 +186,28 @@ class RunConfig:
         return out
 
 
+def parse_algo(algo: str | None) -> tuple[str, ...]:
+    """'smoothquant+adaround' (or with ',') as ('smoothquant', 'adaround'); refuses unknown names and two
+    weight-rounding algorithms at once."""
+    if algo is None:
+        return ()
+    if not isinstance(algo, str):
+        raise option_error("algo", f"must be a string such as 'adaround' or 'smoothquant+bias-correction', got "
+                           f"{algo!r}")
+    names = [a.strip().lower() for a in ALGO_SEPARATORS.split(algo)]
+    for name in names:
+        if name not in ALGO_CHOICES:
+            raise option_error("algo", f"unknown algorithm {name!r}; choose {', '.join(ALGO_CHOICES)} (one weight "
+                               f"rounding at most, others joined with '+' or ',')")
+    rounding = list(dict.fromkeys(a for a in names if a in ROUNDING_ALGOS))
+    if len(rounding) > 1:
+        raise option_error("algo", f"{' and '.join(rounding)} are both weight-rounding algorithms; choose one")
+    return tuple(dict.fromkeys(names))
+
+
 def keyword_names() -> list[str]:
     return [f.name for f in fields(RunConfig)]
 
 
-__all__ = ["RunConfig", "CPU_CHOICES", "EXPORT_FORMATS", "ALGO_CHOICES", "option_error", "keyword_names"]
+__all__ = ["RunConfig", "CPU_CHOICES", "EXPORT_FORMATS", "ALGO_CHOICES", "option_error", "keyword_names",
+           "parse_algo"]

@@ -37,6 +37,8 @@ class Report:
     run: dict = field(default_factory=dict)
     # every option of the run, including those that do not change the result
     options: dict = field(default_factory=dict)
+    # with --min-sqnr: the goal, what met it and at what cost (an oq.analysis.fallback.GoalRecord)
+    goal: object | None = None
 
     def node_status(self, name: str) -> NodeRecord | None:
         return next((n for n in self.nodes if n.name == name), None)

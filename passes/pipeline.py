@@ -12,6 +12,7 @@ from oq.runtime import max_qdq_opset
 from oq.target import Target
 
 from .annotate import Annotate
+from .bias_correction import BiasCorrection, FloatOutputMeans
 from .block_recon import BlockReconstruction
 from .calibrate import Calibrate
 from .canonicalize import Canonicalize
@@ -27,6 +28,7 @@ from .reconstruct import AdaRound
 from .saturation import GuardSaturation
 from .shape_inference import InferShapes
 from .sink_activation import SinkActivationBelowMaxPool
+from .smoothquant import SmoothQuant
 
 
 def preparation(min_opset: int = 13) -> list[Pass]:
@@ -44,16 +46,25 @@ def quantization(config: RunConfig, target: Target, data, *, min_opset: int, ver
     passes: list[Pass] = preparation(min_opset)
     if equalize:
         passes.append(CrossLayerEqualization())
+    algos, rounding = config.algos, config.rounding_algo
+    if "smoothquant" in algos:  # before calibration: activation ranges are taken on the smoothed graph
+        passes.append(SmoothQuant(data, target, config.exclude, config.smoothquant_alpha, config.batch_size))
     passes += [FusePatterns(), Annotate(config.exclude, config.parsed_overrides),
                Calibrate(data, config.batch_size, config.calib_method, config.progress, config.max_memory_mb,
                          config.observer_args),
                GuardSaturation(data, config.cpu, config.batch_size)]
-    if config.algo == "adaround":
+    reference = None
+    if "bias-correction" in algos:  # the float outputs, before a rounding pass overwrites the float weights
+        reference = FloatOutputMeans(data, config.batch_size)
+        passes.append(reference)
+    if rounding == "adaround":
         passes.append(AdaRound(data, config.batch_size, config.algo_iters, config.device,
                                max_memory_mb=config.max_memory_mb))
-    elif config.algo in ("brecq", "qdrop"):
-        passes.append(BlockReconstruction(data, config.algo, config.algo_iters, config.device,
+    elif rounding in ("brecq", "qdrop"):
+        passes.append(BlockReconstruction(data, rounding, config.algo_iters, config.device,
                                           max_memory_mb=config.max_memory_mb, progress=config.progress))
+    if reference is not None:  # after the weights are final, before insert-qdq quantizes the biases
+        passes.append(BiasCorrection(reference))
     passes += [InsertQDQ(), SinkActivationBelowMaxPool(), Finalize(),
                ExportGraph(), PackInt4()]
     stamp = StampModel(version)

@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                           "a rerun with it resumes without measuring again")
     run.add_argument("--prune-evals", type=int, default=8, metavar="K",
                      help="with --min-sqnr: at most K evaluations trying to put float nodes back (default 8)")
+    run.add_argument("--jobs", "-j", metavar="N",
+                     help="with --min-sqnr: worker processes for the layerwise ranking (default: one per usable CPU, "
+                          "when the sweep is long enough to gain; 1: no workers)")
 
     an = sub.add_parser("analyze", help="quantize as `oq run` would, then rank the tensors and nodes by the error "
                                          "they cause")
@@ -94,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     an.add_argument("--top", type=int, default=20, metavar="N", help="nodes listed in the summary (default 20)")
     an.add_argument("--no-layerwise", dest="layerwise", action="store_false",
                     help="skip the per-node runs (one model run per quantized node)")
+    an.add_argument("--jobs", "-j", metavar="N",
+                    help="worker processes for the per-node runs (default: one per usable CPU, when the sweep is long "
+                         "enough to gain; 1: no workers)")
     an.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     an.set_defaults(format="qdq")
 
@@ -125,7 +131,8 @@ def _run(args) -> int:
 
     if args.min_sqnr is not None:
         return _run_to_goal(args)
-    for flag, value in (("--eval", args.eval), ("--eval-size", args.eval_size), ("--state", args.state)):
+    for flag, value in (("--eval", args.eval), ("--eval-size", args.eval_size), ("--state", args.state),
+                        ("--jobs", args.jobs)):
         if value is not None:
             raise OqError(f"{flag} goes with --min-sqnr")
     # every output path is checked before any work: a run never fails after writing, nor writes over an input
@@ -143,11 +150,13 @@ def _run(args) -> int:
 
 def _run_to_goal(args) -> int:
     from .analysis.fallback import check_goal, goal_config
+    from .analysis.parallel import check_jobs
 
     goal = check_goal(args.min_sqnr, "--min-sqnr")
+    jobs = check_jobs(args.jobs, "--jobs")
     # checked before any work, as `oq run` does: the outputs, the state file, and the goal itself
     result = goal_config(args.model, _config(args), goal, args.eval, eval_size=args.eval_size, state=args.state,
-                         max_pruning=args.prune_evals, output=args.output, report=args.report)
+                         max_pruning=args.prune_evals, output=args.output, report=args.report, jobs=jobs)
     if args.interrupted:
         raise KeyboardInterrupt
     result.save(args.output, report=args.report)
@@ -162,12 +171,14 @@ def _run_to_goal(args) -> int:
 
 def _analyze(args) -> int:
     from .analysis.files import check_outputs, write_outputs
+    from .analysis.parallel import check_jobs
     from .analysis.plots import pyplot
     from .analysis.run import analyze_config
     from .outputs import calibration_files
 
     if args.top < 1:
         raise OqError(f"--top must be >= 1, got {args.top}")
+    jobs = check_jobs(args.jobs, "--jobs")
     if args.output:
         pyplot()  # before any work: the HTML report cannot be made without matplotlib
     config = _config(args)
@@ -175,7 +186,8 @@ def _analyze(args) -> int:
     reports = {"HTML report (-o)": args.output, "JSON report (--json)": args.json}
     inputs = [Path(args.model)] + calibration_files(args.calib) + calibration_files(args.eval)
     check_outputs(reports, inputs)
-    analysis = analyze_config(args.model, config, args.eval, layerwise=args.layerwise, eval_size=args.eval_size)
+    analysis = analyze_config(args.model, config, args.eval, layerwise=args.layerwise, eval_size=args.eval_size,
+                              jobs=jobs)
     if args.interrupted:
         raise KeyboardInterrupt
     files = {}

@@ -16,7 +16,7 @@ def observer_for(method: str, spec, extra: dict):
     keyword arguments its factory's signature names, so a registered observer takes part without a table here."""
     known = dict(extra)
     if spec is not None:
-        known.update(bits=spec.bits, symmetric=spec.symmetric)
+        known.update(bits=spec.bits, symmetric=spec.symmetric, spec=spec)
         if spec.symmetric and spec.signed:
             qmin, qmax = spec.qrange
             known["levels"] = (qmax - qmin + 1) // 2  # a signed symmetric grid has half its levels per side
@@ -34,6 +34,15 @@ def _finer_power_of_two(qp, observer):
     if observer.quantization_error(scale / 2, zp, qmin, qmax) < observer.quantization_error(scale, zp, qmin, qmax):
         return QParams(np.asarray(scale / 2, np.float32), qp.zero_point, qp.axis, qp.spec)
     return qp
+
+
+def _choices_note(choices: dict[str, str]) -> str:
+    """One line counting what the observers chose, e.g. 'range choice: auto:mse x12, auto:minmax x3'."""
+    counts: dict[str, int] = {}
+    for choice in choices.values():
+        counts[choice] = counts.get(choice, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return "range choice: " + ", ".join(f"{c} x{k}" for c, k in ranked)
 
 
 def _rows_are_samples(graph):
@@ -119,11 +128,14 @@ class Calibrate(Pass):
             stats = {"samples": 0, "tensors": 0, "seconds": 0.0}
         stats["method"] = self.method or ", ".join(sorted({type(o).name for o in observers.values()})) or "none"
         no_range = []
+        choices = {}  # tensor -> what its observer chose (observers with a `details`)
         for root, ms in groups.items():
             merged = observers[ms[0]]
             for m in ms[1:]:
                 merged.merge(observers[m])
             lo, hi = merged.range()
+            if getattr(merged, "details", None):
+                choices.update((m, merged.details) for m in ms)
             if not (np.isfinite(lo) and np.isfinite(hi)):
                 raise OqError(f"tensor '{ms[0]}' produced NaN or inf during calibration")
             if _no_range(lo, hi):
@@ -132,6 +144,8 @@ class Calibrate(Pass):
                 if m in plan.activations:
                     qp = qparams_from_range(lo, hi, plan.activations[m].spec)
                     plan.activations[m].qparams = _finer_power_of_two(qp, merged)
+        if choices:
+            stats["choices"] = choices
         where = getattr(self.data, "where", None)
         source = f"calibration data {where}" if where else "calibration data"
         if len(no_range) * 2 > len(groups):
@@ -143,4 +157,5 @@ class Calibrate(Pass):
             for warning in _data_warnings(self.data, source, no_range):
                 if warning not in ctx.report.warnings:
                     ctx.report.warnings.append(warning)
-        return PassResult(False, [f"{stats['samples']} samples, {stats['tensors']} tensors, {stats['seconds']:.2f}s"])
+        notes = [f"{stats['samples']} samples, {stats['tensors']} tensors, {stats['seconds']:.2f}s"]
+        return PassResult(False, notes + ([_choices_note(choices)] if choices else []))

@@ -25,6 +25,7 @@ from ..record import target_hash
 from .evaldata import Evaluator, split
 from .files import check_outputs
 from .latency import RUNS, median_ms
+from .parallel import check_jobs
 from .run import analyze_config
 from .search import Excluded, key, search
 from .state import Measured, RankedNode, SearchState, digest
@@ -93,17 +94,19 @@ def exclude_pattern(name: str) -> str:
 def quantize_to_goal(model, min_sqnr: float, target="tensorrt", calib=None, *, eval=None,
                      eval_size: int | None = None, state: "str | os.PathLike | None" = None,
                      max_pruning: int = MAX_PRUNING, output: "str | os.PathLike | None" = None,
-                     **options) -> QuantResult:
+                     jobs: int | None = None, **options) -> QuantResult:
     """oq.quantize(model, target, calib, **options) keeping in float the fewest nodes that bring the model output
     SQNR against fp32 (all outputs together) to `min_sqnr` dB, measured on `eval` (None: the last quarter of the
     calibration samples, held back from calibration). `state`: a JSON file keeping the search's results, so a rerun
-    resumes. Returns the QuantResult of the chosen exclusions, its `report.goal` a GoalRecord; with `output`, saved."""
+    resumes. `jobs`: worker processes for the layerwise ranking (None: one per usable CPU when it is long enough to
+    gain; 1: in this process).
+    Returns the QuantResult of the chosen exclusions, its `report.goal` a GoalRecord; with `output`, saved."""
     unknown = sorted(set(options) - set(keyword_names()))
     if unknown:
         raise OqError(f"quantize_to_goal: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     config = RunConfig(target=target, calib=calib, **options)
     result = goal_config(model, config, min_sqnr, eval, eval_size=eval_size, state=state, max_pruning=max_pruning,
-                         output=output)
+                         output=output, jobs=jobs)
     if output is not None:
         result.save(output)
     return result
@@ -111,10 +114,11 @@ def quantize_to_goal(model, min_sqnr: float, target="tensorrt", calib=None, *, e
 
 def goal_config(model, config: RunConfig, min_sqnr, eval_data=None, *, eval_size: int | None = None,
                 state: "str | os.PathLike | None" = None, max_pruning: int = MAX_PRUNING,
-                output: "str | os.PathLike | None" = None, report: "str | os.PathLike | None" = None
-                ) -> QuantResult:
+                output: "str | os.PathLike | None" = None, report: "str | os.PathLike | None" = None,
+                jobs: int | None = None) -> QuantResult:
     """The search for a RunConfig; `output` and `report`, the paths the caller will save to, are checked first."""
     goal = check_goal(min_sqnr)
+    jobs = check_jobs(jobs)
     if isinstance(max_pruning, bool) or not isinstance(max_pruning, int) or max_pruning < 0:
         raise OqError(f"--prune-evals (max_pruning): must be an integer >= 0, got {max_pruning!r}")
     if config.export_format != "qdq":
@@ -131,7 +135,7 @@ def goal_config(model, config: RunConfig, min_sqnr, eval_data=None, *, eval_size
     book = SearchState.open(state, _run_key(proto, model_files, data.config, tgt, data.data_hash))
     source = model if not isinstance(model, onnx.ModelProto) else proto
     if book.ranking is None:
-        analysis = analyze_config(source, data.config, data.eval_feeds, layerwise=True)
+        analysis = analyze_config(source, data.config, data.eval_feeds, layerwise=True, jobs=jobs)
         book.set_ranking([RankedNode(n.name, n.op, n.layerwise_sqnr_db) for n in analysis.nodes])
     ranking = book.ranking
     session = _Session(source, data.config, evaluator, book)

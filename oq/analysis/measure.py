@@ -3,6 +3,7 @@ run per quantized node with only that node quantized (layerwise). Everything run
 onnxruntime computes the Q/DQ graph as written."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,9 +11,12 @@ import onnx
 
 from ..calibration import progress_reporter
 from ..runtime import session
+from . import parallel
 from .quantizers import Quantizer
 from .stats import ErrorStats, TensorStats
 from .variants import single_node, with_outputs
+
+AUTO_PARALLEL_S = 5.0  # jobs None: serial work left, in seconds, above which workers are started
 
 
 @dataclass
@@ -64,22 +68,46 @@ def graphwise(fp32: onnx.ModelProto, twin: onnx.ModelProto, quantized: onnx.Mode
     return result
 
 
+def node_stats(variant, batches: list, fp32: list[dict[str, np.ndarray]], on_batch=None) -> ErrorStats:
+    """The model outputs of one single-node variant vs fp32, over the batches in order: the one reduction the serial
+    and the parallel sweep share, so both give the same floats."""
+    stats = ErrorStats()
+    for (count, feed), ref in zip(batches, fp32):
+        for name, value in zip(ref, variant.run(list(ref), feed)):
+            stats.add(ref[name], value)
+        if on_batch is not None:
+            on_batch(count)
+    return stats
+
+
 def layerwise(twin: onnx.ModelProto, quantized: onnx.ModelProto, quantizers: list[Quantizer], nodes: list[str],
-              data, batch_size: int, fp32: list[dict[str, np.ndarray]], samples: int, progress
-              ) -> dict[str, ErrorStats]:
-    """Per node: the model outputs (all together) with only that node's quantizers, vs fp32."""
+              data, batch_size: int, fp32: list[dict[str, np.ndarray]], samples: int, progress,
+              jobs: int | None = 1) -> dict[str, ErrorStats]:
+    """Per node: the model outputs (all together) with only that node's quantizers, vs fp32; with jobs > 1 on that
+    many worker processes (oq.analysis.parallel), the same numbers. jobs None: the first node runs here, and the
+    rest go to one worker per usable CPU only when they would take over AUTO_PARALLEL_S here (starting a worker
+    costs about a second: small sweeps are faster without)."""
     out: dict[str, ErrorStats] = {}
+    pending = list(nodes)
     bar = progress_reporter(progress, f"analyze: layerwise ({len(nodes)} nodes)", len(nodes) * samples or None)
     try:
-        for node in nodes:
-            variant = session(single_node(twin, quantized, node, quantizers), "disable")
-            stats = ErrorStats()
-            for (count, feed), ref in zip(data.batches(batch_size), fp32):
-                values = variant.run(list(ref), feed)
-                for name, value in zip(ref, values):
-                    stats.add(ref[name], value)
-                bar.update(count)
-            out[node] = stats
+        if jobs is None:
+            start = time.perf_counter()
+            if pending:
+                out.update(_serial(twin, quantized, quantizers, pending[:1], data, batch_size, fp32, bar))
+                pending = pending[1:]
+            per_node = time.perf_counter() - start
+            jobs = parallel.usable_cpus() if per_node * len(pending) > AUTO_PARALLEL_S else 1
+        if jobs > 1 and len(pending) > 1:
+            out.update(parallel.sweep(twin, quantized, quantizers, pending, list(data.batches(batch_size)), fp32, jobs,
+                             lambda node: bar.update(samples)))
+        else:
+            out.update(_serial(twin, quantized, quantizers, pending, data, batch_size, fp32, bar))
     finally:
         bar.close()
-    return out
+    return {node: out[node] for node in nodes}
+
+
+def _serial(twin, quantized, quantizers, nodes, data, batch_size, fp32, bar) -> dict[str, ErrorStats]:
+    return {node: node_stats(session(single_node(twin, quantized, node, quantizers), "disable"),
+                             data.batches(batch_size), fp32, bar.update) for node in nodes}

@@ -17,6 +17,7 @@ from .floatweights import float_inputs, prepared_graph
 from .hints import hint
 from .channels import attach_channel_ranges
 from .measure import graphwise, layerwise as measure_layerwise
+from .parallel import check_jobs
 from .quantizers import Quantizer, find_quantizers, refuse_unsupported
 from .records import Analysis, NodeRecord, TensorRecord
 from .stats import sqnr_db
@@ -26,15 +27,17 @@ PLOTTED = 4  # tensors with a histogram, weighted nodes with channel ranges
 
 
 def analyze(model, target="tensorrt", calib=None, eval=None, *, layerwise: bool = True, eval_size: int | None = None,
-            **options) -> Analysis:
+            jobs: int | None = None, **options) -> Analysis:
     """Quantize `model` for `target` with `calib` (any oq.quantize keyword in `options`), then measure on `eval`
     (same forms as `calib`; None: the calibration samples) the error of every quantized activation with the whole
-    model quantized (graphwise), and with `layerwise` the model output error with one node quantized at a time."""
+    model quantized (graphwise), and with `layerwise` the model output error with one node quantized at a time, on
+    `jobs` worker processes (None: one per usable CPU when the sweep is long enough to gain; 1: in this process;
+    the numbers are the same)."""
     unknown = sorted(set(options) - set(keyword_names()))
     if unknown:
         raise OqError(f"oq.analyze: unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
     config = RunConfig(target=target, calib=calib, **options)
-    return analyze_config(model, config, eval, layerwise=layerwise, eval_size=eval_size)
+    return analyze_config(model, config, eval, layerwise=layerwise, eval_size=eval_size, jobs=jobs)
 
 
 def _open_eval(eval_data, config: RunConfig, proto: onnx.ModelProto, eval_size: int | None):
@@ -67,7 +70,8 @@ def _float_values(quantizers, dequantized, config, target, proto, warnings) -> d
 
 
 def analyze_config(model, config: RunConfig, eval_data=None, *, layerwise: bool = True,
-                   eval_size: int | None = None) -> Analysis:
+                   eval_size: int | None = None, jobs: int | None = None) -> Analysis:
+    jobs = check_jobs(jobs)
     if config.export_format != "qdq":
         raise OqError("oq analyze measures Q/DQ models: leave --format at qdq")
     proto, name, _ = _load(model)
@@ -93,7 +97,7 @@ def analyze_config(model, config: RunConfig, eval_data=None, *, layerwise: bool 
     nodes, weight_of = _node_records(quantized, quantizers, tensors, weights, dequantized)
     if layerwise:
         per_node = measure_layerwise(twin, quantized, quantizers, [n.name for n in nodes], data,
-                                     config.batch_size, g.fp32, g.samples, config.progress)
+                                     config.batch_size, g.fp32, g.samples, config.progress, jobs)
         for n in nodes:
             n.layerwise_sqnr_db = per_node[n.name].sqnr_db
             n.noise_share = per_node[n.name].noise / g.overall.noise if g.overall.noise else 0.0

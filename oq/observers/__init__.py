@@ -10,6 +10,8 @@ Built in:
 - `percentile` lo/hi percentiles of the data, from the histogram. Batching-invariant.
 - `entropy`    TensorRT-style KL-divergence threshold, from the histogram. Batching-invariant.
 - `mse`        clipping range minimising the expected 8-bit quantization MSE, from the histogram. Batching-invariant.
+- `auto`       per tensor, the minmax, percentile or MSE range with the least expected error on the tensor's grid
+               (the winner in `details`). Batching-invariant.
 
 The histogram observers share one core (`HistogramObserver`) whose grid is a pure function of the largest |x| seen:
 bin width is a power of two, bins are anchored at 0, and the grid only ever grows by doubling the width, which merges
@@ -22,14 +24,16 @@ import inspect
 from typing import Callable
 
 from ..errors import OqError
+from .auto import AutoObserver
 from .base import EMAObserver, MinMaxObserver, Observer
 from .entropy import EntropyObserver, kl_divergences, kl_threshold_bins
+from .grid import range_error
 from .histogram import HistogramObserver, PercentileObserver
 from .mse import MSEObserver
 
 __all__ = ["Observer", "MinMaxObserver", "EMAObserver", "HistogramObserver", "PercentileObserver", "EntropyObserver",
-           "MSEObserver", "kl_divergences", "kl_threshold_bins", "register_observer", "observer_names", "make_observer", "observer_factory",
-           "accepted_kwargs"]
+           "MSEObserver", "AutoObserver", "range_error", "kl_divergences", "kl_threshold_bins", "register_observer",
+           "observer_names", "make_observer", "observer_factory", "accepted_kwargs"]
 
 _REGISTRY: dict[str, Callable[..., Observer]] = {
     "minmax": MinMaxObserver,
@@ -37,6 +41,7 @@ _REGISTRY: dict[str, Callable[..., Observer]] = {
     "percentile": PercentileObserver,
     "entropy": EntropyObserver,
     "mse": MSEObserver,
+    "auto": AutoObserver,
 }
 
 

@@ -18,6 +18,8 @@ class Observer:
 
     name = "base"
     probe = "full"
+    # what range() chose, for the report (e.g. "auto:mse", "entropy:mse"); None when there is no choice to tell
+    details: str | None = None
 
     def update(self, x: np.ndarray) -> None:
         raise NotImplementedError

@@ -6,8 +6,10 @@ import math
 import numpy as np
 
 from ..errors import OqError
-
+from ..spec import QuantSpec
+from .grid import default_grid, range_error
 from .histogram import HistogramObserver
+from .mse import MSEObserver
 
 
 def _xlogx(v: np.ndarray) -> np.ndarray:
@@ -72,6 +74,7 @@ def kl_divergences(habs: np.ndarray, levels: int, eps: float = 1e-4) -> tuple[np
 
 
 CLAMP_FRACTION = 1e-4  # share of the non-zero values sitting exactly at an extreme that marks it as a clamp
+GUARD = 2.0  # the KL range may cost at most this many times the MSE range's expected error before it is dropped
 
 
 class EntropyObserver(HistogramObserver):
@@ -89,18 +92,32 @@ class EntropyObserver(HistogramObserver):
     up. Exact zeros are left out of the divergence: every grid represents them exactly, and as a spike in the first
     bin (half of a ReLU output) they would dominate the KL and pull the threshold down to ~1.5 sigma. The search
     over all candidates is vectorised (about 3-25 ms for 2048-4096 bins and 128-256 levels).
+
+    Guarded against collapse: when the KL range's expected quantization error on the tensor's grid (`spec`, else
+    bits / symmetric) is more than `guard` times the MSE range's, the MSE range is used instead (`guard=None`: never).
+    KL compares shapes of probability mass, not errors: on a histogram whose mass sits in a few bins (mostly zeros
+    or a handful of distinct values, plus a long sparse tail) clipping the tail moves little probability, so the
+    divergence stays small, while the clipped values are exactly the large ones that dominate the output error
+    (measured on a text recognizer: 4.6 dB with the KL range, 17.6 dB with MSE's). `details` says which was kept
+    ("entropy:kl" or "entropy:mse").
     """
 
     name = "entropy"
 
-    def __init__(self, bits: int = 8, levels: int | None = None, bins: int = 2048):
+    def __init__(self, bits: int = 8, levels: int | None = None, bins: int = 2048, symmetric: bool | None = None,
+                 spec: QuantSpec | None = None, guard: float | None = GUARD):
         super().__init__(bins)
         bits = int(bits)
         if not 2 <= bits <= 16:
             raise OqError(f"entropy bits must be in [2, 16], got {bits}")
         if levels is not None and int(levels) < 2:
             raise OqError(f"entropy levels must be at least 2, got {levels}")
+        if guard is not None and not float(guard) >= 1.0:
+            raise OqError(f"entropy guard must be at least 1 (or None), got {guard}")
         self.bits, self.levels = bits, None if levels is None else int(levels)
+        self.symmetric, self.spec = symmetric, spec
+        self.guard = None if guard is None else float(guard)
+        self.details: str | None = None
 
     def threshold(self) -> float:
         unsigned = self.lo >= 0
@@ -122,9 +139,25 @@ class EntropyObserver(HistogramObserver):
         """Several binned values sit exactly at the extreme, and enough of them not to be the tail's last point."""
         return at >= 2 and at >= CLAMP_FRACTION * self.binned
 
+    def kl_range(self) -> tuple[float, float]:
+        """The plain (unguarded) TensorRT range."""
+        t = self.threshold()
+        return (0.0, t) if self.lo >= 0 else (max(-t, self.lo), min(t, self.hi))
+
     def range(self) -> tuple[float, float]:
         degenerate = self._degenerate()
         if degenerate:
+            self.details = None
             return degenerate
-        t = self.threshold()
-        return (0.0, t) if self.lo >= 0 else (max(-t, self.lo), min(t, self.hi))
+        kl = self.kl_range()
+        self.details = "entropy:kl"
+        if self.guard is None:
+            return kl
+        grid = self.spec or default_grid(self.bits, self.symmetric, self.lo, self.levels)
+        mse = MSEObserver(self.bits, grid.symmetric, bins=self.bins)
+        mse.merge(self)  # the same histogram, read by the MSE search
+        fallback = mse.range()
+        if range_error(self, *kl, grid) > self.guard * range_error(self, *fallback, grid):
+            self.details = "entropy:mse"
+            return fallback
+        return kl

@@ -199,35 +199,51 @@ class AdaRound(Pass):
     def _collect(self, model, jobs: list[_Job]) -> int:
         """Sample GEMM rows of each job's input from the float graph on up to max_samples samples; returns how many
         samples were used."""
-        try:
-            n = len(self.data)  # 0 when a function source does not know
-        except (TypeError, NotImplementedError):
-            n = 0
-        n = min(n or self.max_samples, self.max_samples)
-        per_sample = max(1, -(-self.max_rows // n))
-        counts: list[int] = []
+        used = 0
+        for values, count, first, per_sample in sampled_captures(model, [j.x for j in jobs], self.data,
+                                                                 self.batch_size, self.max_samples, self.max_rows,
+                                                                 "layer inputs for weight reconstruction"):
+            for job in jobs:
+                x = np.asarray(values[job.x], np.float32)
+                idx = _positions(job.gemm.row_count(x.shape), count, first, per_sample, self.seed)
+                job.rows.append(job.gemm.rows(x, idx))
+            used += count
+        return used
 
-        def feeds():
-            for take, feed in capped_batches(self.data, self.batch_size, self.max_samples):
-                counts.append(take)
-                yield feed
 
-        first = 0
+def sampled_captures(model, names: list[str], data, batch_size: int, max_samples: int, max_rows: int, purpose: str):
+    """(values of `names`, samples in the batch, index of its first sample, rows to keep per sample) for the
+    calibration batches run through `model` in onnxruntime, at most max_samples samples and about max_rows rows in
+    all; onnxruntime failing on the user's data is one OqError naming the `purpose`."""
+    try:
+        n = len(data)  # 0 when a function source does not know
+    except (TypeError, NotImplementedError):
+        n = 0
+    n = min(n or max_samples, max_samples)
+    per_sample = max(1, -(-max_rows // n))
+    counts: list[int] = []
+
+    def feeds():
+        for take, feed in capped_batches(data, batch_size, max_samples):
+            counts.append(take)
+            yield feed
+
+    first = 0
+    values_of = capture(model, names, feeds())
+    while True:
         try:
-            for values in capture(model, [j.x for j in jobs], feeds()):
-                count = counts[len(counts) - 1]
-                for job in jobs:
-                    x = np.asarray(values[job.x], np.float32)
-                    idx = _positions(job.gemm.row_count(x.shape), count, first, per_sample, self.seed)
-                    job.rows.append(job.gemm.rows(x, idx))
-                first += count
+            values = next(values_of)
+        except StopIteration:
+            return
         except OqError:
             raise
         except Exception as exc:  # onnxruntime failures on user data
-            where = getattr(self.data, "where", "calibration data")
-            raise OqError(f"{where}: onnxruntime failed while collecting layer inputs for weight reconstruction: "
+            where = getattr(data, "where", "calibration data")
+            raise OqError(f"{where}: onnxruntime failed while collecting {purpose}: "
                           f"{str(exc).splitlines()[0][:300]}") from None
-        return sum(counts)
+        count = counts[-1]
+        yield values, count, first, per_sample
+        first += count
 
 
 def capped_batches(data, batch_size: int, max_samples: int):

@@ -32,10 +32,9 @@ from oq.errors import OqError
 from oq.opinfo import weighted_op
 from oq.overrides import matches
 from oq.passmanager import Context, Pass, PassResult
-from oq.saturation.runtime import capture
 from oq.spec import dequantize_array, qparams_from_range, quantize_array, weight_qparams
 
-from .reconstruct import _positions, capped_batches
+from .reconstruct import _positions, sampled_captures
 
 ALPHAS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
 MAX_SCALE = 1e4  # s is clamped to [1 / MAX_SCALE, MAX_SCALE]
@@ -217,39 +216,20 @@ class SmoothQuant(Pass):
     # -----------------------------------------------------------------------------------------------------------
     def _collect(self, model, groups: list[_Group]) -> int:
         """Channel min/max of every X over the calibration samples and a bounded sample of its rows."""
-        try:
-            n = len(self.data)
-        except (TypeError, NotImplementedError):
-            n = 0
-        n = min(n or self.max_samples, self.max_samples)
-        per_sample = max(1, -(-self.max_rows // n))
-        counts: list[int] = []
-
-        def feeds():
-            for take, feed in capped_batches(self.data, self.batch_size, self.max_samples):
-                counts.append(take)
-                yield feed
-
-        first = 0
-        try:
-            for values in capture(model, [g.x.name for g in groups], feeds()):
-                count = counts[-1]
-                for g in groups:
-                    x = np.asarray(values[g.x.name], np.float32).reshape(-1, g.channels)
-                    np.minimum(g.lo, x.min(axis=0), out=g.lo)
-                    np.maximum(g.hi, x.max(axis=0), out=g.hi)
-                    g.rows.append(x[_positions(x.shape[0], count, first, per_sample, self.seed)])
-                first += count
-        except OqError:
-            raise
-        except Exception as exc:  # onnxruntime failures on user data
-            where = getattr(self.data, "where", "calibration data")
-            raise OqError(f"{where}: onnxruntime failed while collecting channel maxima for smoothquant: "
-                          f"{str(exc).splitlines()[0][:300]}") from None
+        used = 0
+        for values, count, first, per_sample in sampled_captures(model, [g.x.name for g in groups], self.data,
+                                                                 self.batch_size, self.max_samples, self.max_rows,
+                                                                 "channel maxima for smoothquant"):
+            for g in groups:
+                x = np.asarray(values[g.x.name], np.float32).reshape(-1, g.channels)
+                np.minimum(g.lo, x.min(axis=0), out=g.lo)
+                np.maximum(g.hi, x.max(axis=0), out=g.hi)
+                g.rows.append(x[_positions(x.shape[0], count, first, per_sample, self.seed)])
+            used += count
         for g in groups:
             if not np.isfinite(g.lo).all() or not np.isfinite(g.hi).all():
                 raise OqError(f"tensor '{g.x.name}' produced NaN or inf (or nothing) on the calibration data")
-        return sum(counts)
+        return used
 
     def _apply(self, graph: gs.Graph, uses: ir.UseIndex, group: _Group, s: np.ndarray) -> str:
         """W' = diag(s) W for every reader; X' = X / s folded into the producer (or a Mul inserted)."""

@@ -39,6 +39,29 @@ def calibration_files(calib) -> list[Path]:
     return []
 
 
+def check_paths(paths: list[tuple[str, Path]], inputs: list[Path]) -> None:
+    """Each (role, path) to be written must name a file in an existing, writable folder, no input file, and no
+    path another role writes."""
+    seen: dict[Path, str] = {}
+    for role, path in paths:
+        folder = path.parent if str(path.parent) else Path(".")
+        if path.is_dir():
+            raise OqError(f"{role} {path}: is a directory; give a file path")
+        if not folder.exists():
+            raise OqError(f"{role} {path}: folder {folder} does not exist")
+        if not folder.is_dir():
+            raise OqError(f"{role} {path}: {folder} is not a folder")
+        if not os.access(folder, os.W_OK):
+            raise OqError(f"{role} {path}: folder {folder} is not writable")
+        for source in inputs:
+            if _same_file(path, source):
+                raise OqError(f"{role} {path} is the input file {source}; oq never overwrites its inputs")
+        key = path.resolve()
+        if key in seen:
+            raise OqError(f"{role} {path} is also the {seen[key]}")
+        seen[key] = role
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -126,24 +149,7 @@ class OutputPlan:
         for folder in {p.parent if str(p.parent) else Path(".") for _, p in self.paths()}:
             if folder.is_dir():
                 remove_stale_temporaries(folder)
-        seen: dict[Path, str] = {}
-        for role, path in self.paths():
-            folder = path.parent if str(path.parent) else Path(".")
-            if path.is_dir():
-                raise OqError(f"{role} {path}: is a directory; give a file path")
-            if not folder.exists():
-                raise OqError(f"{role} {path}: folder {folder} does not exist")
-            if not folder.is_dir():
-                raise OqError(f"{role} {path}: {folder} is not a folder")
-            if not os.access(folder, os.W_OK):
-                raise OqError(f"{role} {path}: folder {folder} is not writable")
-            for source in self.inputs:
-                if _same_file(path, source):
-                    raise OqError(f"{role} {path} is the input file {source}; oq never overwrites its inputs")
-            key = path.resolve()
-            if key in seen:
-                raise OqError(f"{role} {path} is also the {seen[key]}")
-            seen[key] = role
+        check_paths(self.paths(), self.inputs)
 
     def commit(self, model: onnx.ModelProto, side_files: dict[str, bytes], report=None, verify=None) -> list[Path]:
         """Write everything to temporaries, then rename into place with the model last. `report`: a callable

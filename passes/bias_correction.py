@@ -30,14 +30,12 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from oq import ir
-from oq.errors import OqError
 from oq.opinfo import weighted_op
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS, BiasQuant
-from oq.saturation.runtime import capture
 from oq.spec import dequantize_array, quantize_array
 
-from .reconstruct import capped_batches
+from .reconstruct import capped_batches, explained_capture
 
 DEFAULT_MAX_SAMPLES = 512
 
@@ -152,18 +150,12 @@ def output_means(graph: gs.Graph, layers: list[_Layer], data, batch_size: int, m
     sums = {layer.node: np.zeros(layer.channels) for layer in layers}
     counts = dict.fromkeys(sums, 0)
     feeds = (feed for _, feed in capped_batches(data, batch_size, max_samples))
-    try:
-        for values in capture(model, [t.name for t in g.outputs], feeds):
-            for name, (mean, shape) in outs.items():
-                n = int(np.prod(values[shape.name])) // sums[name].size
-                sums[name] += np.asarray(values[mean.name], np.float64) * n
-                counts[name] += n
-    except OqError:
-        raise
-    except Exception as exc:  # onnxruntime failures on user data
-        where = getattr(data, "where", "calibration data")
-        raise OqError(f"{where}: onnxruntime failed while measuring layer outputs for bias correction: "
-                      f"{str(exc).splitlines()[0][:300]}") from None
+    for values in explained_capture(model, [t.name for t in g.outputs], feeds, data,
+                                    "measuring layer outputs for bias correction"):
+        for name, (mean, shape) in outs.items():
+            n = int(np.prod(values[shape.name])) // sums[name].size
+            sums[name] += np.asarray(values[mean.name], np.float64) * n
+            counts[name] += n
     return {name: sums[name] / max(counts[name], 1) for name in sums}
 
 

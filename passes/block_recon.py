@@ -32,11 +32,10 @@ from oq.calibration import progress_reporter
 from oq.errors import OqError
 from oq.passmanager import Context, Pass, PassResult, has_plan
 from oq.plan import ALL_CONSUMERS
-from oq.saturation.runtime import capture
 from oq.spec import quantize_array
 from oq.spill import SpillStore
 
-from .reconstruct import _grid_values, _nearest_range, capped_batches
+from .reconstruct import _grid_values, _nearest_range, capped_batches, explained_capture
 
 DEFAULTS = {"brecq": dict(drop=0.0), "qdrop": dict(drop=0.5)}
 
@@ -158,17 +157,11 @@ class BlockReconstruction(Pass):
         names = list(dict.fromkeys(n for b in blocks for n in b.inputs if n not in produced))
         chunks = 0
         feeds = (feed for _, feed in capped_batches(self.data, self.chunk, self.max_samples))
-        try:
-            for values in capture(model, names, feeds):
-                for name in names:
-                    store.put("fp:" + name, chunks, np.asarray(values[name]))
-                chunks += 1
-        except OqError:
-            raise
-        except Exception as exc:  # onnxruntime failures on user data
-            where = getattr(self.data, "where", "calibration data")
-            raise OqError(f"{where}: onnxruntime failed while collecting block inputs for reconstruction: "
-                          f"{str(exc).splitlines()[0][:300]}") from None
+        for values in explained_capture(model, names, feeds, self.data,
+                                        "collecting block inputs for reconstruction"):
+            for name in names:
+                store.put("fp:" + name, chunks, np.asarray(values[name]))
+            chunks += 1
         if chunks == 0:
             raise OqError("reconstruction needs calibration samples; the calibration data gave none")
         return chunks

@@ -229,7 +229,16 @@ def sampled_captures(model, names: list[str], data, batch_size: int, max_samples
             yield feed
 
     first = 0
-    values_of = capture(model, names, feeds())
+    for values in explained_capture(model, names, feeds(), data, f"collecting {purpose}"):
+        count = counts[-1]
+        yield values, count, first, per_sample
+        first += count
+
+
+def explained_capture(model, names: list[str], feeds, data, doing: str):
+    """oq.saturation.runtime.capture, with onnxruntime failing on the user's data turned into one OqError line
+    naming the data and what was being done; errors in the caller's own loop body pass as they are."""
+    values_of = capture(model, names, feeds)
     while True:
         try:
             values = next(values_of)
@@ -239,11 +248,8 @@ def sampled_captures(model, names: list[str], data, batch_size: int, max_samples
             raise
         except Exception as exc:  # onnxruntime failures on user data
             where = getattr(data, "where", "calibration data")
-            raise OqError(f"{where}: onnxruntime failed while collecting {purpose}: "
-                          f"{str(exc).splitlines()[0][:300]}") from None
-        count = counts[-1]
-        yield values, count, first, per_sample
-        first += count
+            raise OqError(f"{where}: onnxruntime failed while {doing}: {str(exc).splitlines()[0][:300]}") from None
+        yield values
 
 
 def capped_batches(data, batch_size: int, max_samples: int):
